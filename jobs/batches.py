@@ -1,0 +1,233 @@
+"""Submitting batches and reading their status: the Python API under the CLI."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from functools import lru_cache
+from pathlib import Path
+
+from sqlalchemy import func, select
+
+from jobs.db import Database
+from jobs.models import Attempt, Batch, Job
+from jobs.prompts import BatchFile, BatchInvalid, Defaults, read_batch
+from jobs.states import JobState
+from pipeline.models import ModelInfo, load_tokenizer, model_info
+from pipeline.sampler import SAMPLERS
+
+BATCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
+DISTILLED_MAX_GUIDANCE = 6.0
+
+
+class SubmitError(ValueError):
+    """A submit option that cannot be used."""
+
+
+@dataclass
+class SubmitOptions:
+    model: str = "tiny"
+    sampler: str | None = None  # None: what the model folder's scheduler says
+    guidance: float = 1.0
+    out: str = "clipmill-out"
+    batch: str | None = None
+    template: str | None = None
+    truncate: bool = False
+    skip_invalid: bool = False
+    defaults: Defaults = field(default_factory=Defaults)
+    priority: int = 0
+    max_attempts: int = 2
+
+
+@dataclass
+class SubmitResult:
+    batch_id: str | None
+    file: BatchFile
+    job_ids: list[int]
+
+
+@lru_cache(maxsize=4)
+def _token_counter(path: str):
+    info = model_info(path) if path != "tiny" else model_info("tiny")
+    tok = load_tokenizer(info)
+    return lambda text: len(tok(text, add_special_tokens=True, truncation=False).input_ids)
+
+
+def check_file(path: str | Path, opts: SubmitOptions) -> tuple[ModelInfo, BatchFile]:
+    """Read and validate a batch file against the model; submits nothing."""
+    info = model_info(opts.model)
+    return info, read_batch(path, info, _token_counter(opts.model), opts.defaults, opts.template, opts.truncate)
+
+
+def _batch_name(session, path: Path, wanted: str | None) -> str:
+    if wanted is not None:
+        if not BATCH_RE.match(wanted):
+            raise SubmitError(
+                f"--batch {wanted!r}: not a valid name; allowed: 1-80 letters, digits, '.', '_' or '-'"
+            )
+        if session.get(Batch, wanted) is not None:
+            raise SubmitError(f"--batch {wanted!r}: a batch with that name exists; choose another name")
+        return wanted
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-._")[:50] or "batch"
+    base = f"{stem}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    name, n = base, 1
+    while session.get(Batch, name) is not None:
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
+    """Validate the whole file, then write the batch and its jobs in one transaction.
+
+    With errors and no ``skip_invalid``, raises ``BatchInvalid`` and writes nothing.
+    """
+    if opts.sampler is not None and opts.sampler not in SAMPLERS:
+        raise SubmitError(f"--sampler {opts.sampler!r}: not known; allowed: {', '.join(SAMPLERS)}")
+    if not 1.0 <= opts.guidance <= 30.0:
+        raise SubmitError(f"--guidance {opts.guidance:g}: out of range; allowed: 1.0 (off) to 30.0")
+    if not 1 <= opts.max_attempts <= 10:
+        raise SubmitError(f"--max-attempts {opts.max_attempts}: out of range; allowed: 1 to 10")
+    info, batch_file = check_file(path, opts)
+    if batch_file.errors and (not opts.skip_invalid or not batch_file.rows):
+        raise BatchInvalid(batch_file)
+    with db.session() as session, session.begin():
+        name = _batch_name(session, Path(path), opts.batch)
+        session.add(
+            Batch(
+                id=name,
+                source=str(path),
+                model=opts.model if opts.model == "tiny" else str(Path(opts.model).expanduser().resolve()),
+                sampler=opts.sampler or info.scheduler,
+                guidance=opts.guidance,
+                out=str(Path(opts.out).expanduser().resolve()) if "://" not in opts.out else opts.out,
+                priority=opts.priority,
+                max_attempts=opts.max_attempts,
+                template=opts.template,
+            )
+        )
+        session.flush()
+        jobs = [
+            Job(
+                batch_id=name,
+                line=r.line,
+                client_id=r.client_id,
+                prompt_raw=r.prompt_raw,
+                prompt=r.prompt,
+                negative_prompt=r.negative_prompt,
+                elements=r.elements,
+                seed=r.seed,
+                tier=r.tier,
+                frames=r.frames,
+                fps=r.fps,
+                width=r.width,
+                height=r.height,
+                priority=opts.priority,
+                state=JobState.QUEUED.value,
+            )
+            for r in batch_file.rows
+        ]
+        session.add_all(jobs)
+        session.flush()
+        ids = [j.id for j in jobs]
+    return SubmitResult(name, batch_file, ids)
+
+
+# -- status -------------------------------------------------------------------------------------
+
+
+def list_batches(db: Database) -> list[dict]:
+    """Every batch with its job counts by state, newest first."""
+    with db.session() as s:
+        counts: dict[str, dict[str, int]] = {}
+        for batch_id, state, n in s.execute(
+            select(Job.batch_id, Job.state, func.count()).group_by(Job.batch_id, Job.state)
+        ):
+            counts.setdefault(batch_id, {})[state] = n
+        out = []
+        for b in s.scalars(select(Batch).order_by(Batch.created_at.desc())):
+            c = counts.get(b.id, {})
+            out.append(
+                {
+                    "batch": b.id,
+                    "source": b.source,
+                    "model": b.model,
+                    "created_at": b.created_at.isoformat(),
+                    "out": b.out,
+                    "jobs": sum(c.values()),
+                    "states": {st.value: c.get(st.value, 0) for st in JobState},
+                }
+            )
+        return out
+
+
+def batch_status(db: Database, batch_id: str) -> dict:
+    """One batch: its counts and every job with its attempts."""
+    with db.session() as s:
+        batch = s.get(Batch, batch_id)
+        if batch is None:
+            known = [b for b in s.scalars(select(Batch.id).order_by(Batch.created_at.desc()).limit(5))]
+            raise SubmitError(
+                f"batch {batch_id!r}: no such batch"
+                + (f"; recent batches: {', '.join(known)}" if known else "; no batches yet")
+            )
+        jobs = s.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)).all()
+        attempts = s.scalars(
+            select(Attempt).join(Job).where(Job.batch_id == batch_id).order_by(Attempt.job_id, Attempt.number)
+        ).all()
+        by_job: dict[int, list[Attempt]] = {}
+        for a in attempts:
+            by_job.setdefault(a.job_id, []).append(a)
+        rows = []
+        for j in jobs:
+            atts = by_job.get(j.id, [])
+            last = atts[-1] if atts else None
+            rows.append(
+                {
+                    "job": j.id,
+                    "id": j.client_id,
+                    "line": j.line,
+                    "state": j.state,
+                    "prompt": j.prompt,
+                    "prompt_raw": j.prompt_raw,
+                    "seed": j.seed,
+                    "tier": j.tier,
+                    "frames": j.frames,
+                    "fps": j.fps,
+                    "size": f"{j.width}x{j.height}",
+                    "attempts": [
+                        {
+                            "number": a.number,
+                            "state": a.state,
+                            "tier": a.tier,
+                            "steps": a.steps,
+                            "seed": a.seed,
+                            "verdict": a.verdict,
+                            "reasons": a.reasons or [],
+                            "location": a.location,
+                            "error": a.error,
+                            "group_size": a.group_size,
+                            "timings": a.timings,
+                        }
+                        for a in atts
+                    ],
+                    "verdict": last.verdict if last else None,
+                    "reasons": (last.reasons or []) if last else [],
+                    "location": last.location if last else None,
+                    "error": j.error,
+                }
+            )
+        states = {st.value: sum(1 for j in jobs if j.state == st.value) for st in JobState}
+        return {
+            "batch": batch.id,
+            "source": batch.source,
+            "model": batch.model,
+            "sampler": batch.sampler,
+            "guidance": batch.guidance,
+            "out": batch.out,
+            "created_at": batch.created_at.isoformat(),
+            "jobs": len(jobs),
+            "states": states,
+            "rows": rows,
+        }

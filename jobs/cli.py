@@ -1,0 +1,378 @@
+"""The ``clipmill`` command line: a thin layer over jobs.batches, jobs.embedded and qc.
+
+Domain errors become ``click.ClickException`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from jobs.batches import SubmitError, SubmitOptions, SubmitResult, batch_status, check_file, list_batches, submit
+from jobs.prompts import BatchFile, BatchInvalid, Defaults, parse_size
+from pipeline.models import TINY, TINY_WARNING, ModelError
+from pipeline.sampler import SAMPLERS, TIERS
+
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _db():
+    from jobs.db import Database
+
+    return Database()
+
+
+def batch_options(fn):
+    """Options shared by run, submit and prompts check."""
+
+    @click.option("--model", default=TINY, show_default=True, envvar="CLIPMILL_MODEL",
+                  help="'tiny' (random weights, smoke runs only) or a local diffusers AnimateDiff folder.")
+    @click.option("--template", default=None,
+                  help='Build each prompt from columns, e.g. "{dish} on a table in {store}, {camera}".')
+    @click.option("--truncate", is_flag=True, help="Cut prompts longer than the tokenizer's limit instead of refusing them.")
+    @click.option("--tier", type=click.Choice(list(TIERS)), default="fast", show_default=True,
+                  help="Tier for rows without a tier column: fast = 6 steps, quality = 8 steps.")
+    @click.option("--frames", type=int, default=16, show_default=True, help="Frames to render, for rows without frames.")
+    @click.option("--fps", type=int, default=30, show_default=True, help="Output frame rate, for rows without fps.")
+    @click.option("--size", default=None, help="WIDTHxHEIGHT for rows without size [default: the model's].")
+    @functools.wraps(fn)
+    def wrapper(*args, model, template, truncate, tier, frames, fps, size, **kwargs):
+        opts = SubmitOptions(model=model, template=template, truncate=truncate)
+        size_t = None
+        if size is not None:
+            try:
+                from pipeline.models import model_info
+
+                size_t, msg = parse_size(size, model_info(model))
+            except ModelError as e:
+                raise click.ClickException(str(e))
+            if msg:
+                raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
+        opts.defaults = Defaults(tier=tier, frames=frames, fps=fps, size=size_t)
+        return fn(*args, opts=opts, **kwargs)
+
+    return wrapper
+
+
+def submit_options(fn):
+    """Options that only matter once jobs are written."""
+
+    @click.option("--out", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT",
+                  help="Storage root: clips go under OUT/BATCH/JOB/.")
+    @click.option("--batch", "batch_name", default=None, help="Batch name [default: FILE's stem and the time].")
+    @click.option("--skip-invalid", is_flag=True, help="Submit the valid rows and list the invalid ones (default: all or nothing).")
+    @click.option("--sampler", type=click.Choice(SAMPLERS), default=None,
+                  help="lightning (Euler, trailing) or lcm [default: what the model folder's scheduler is].")
+    @click.option("--guidance", type=float, default=1.0, show_default=True, help="CFG scale; 1.0 turns guidance off (distilled models).")
+    @click.option("--max-attempts", type=int, default=2, show_default=True, help="Render tries per job before it fails.")
+    @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first.")
+    @functools.wraps(fn)
+    def wrapper(*args, opts: SubmitOptions, out, batch_name, skip_invalid, sampler, guidance, max_attempts, priority, **kw):
+        opts.out, opts.batch, opts.skip_invalid = out, batch_name, skip_invalid
+        opts.sampler, opts.guidance, opts.max_attempts, opts.priority = sampler, guidance, max_attempts, priority
+        return fn(*args, opts=opts, **kw)
+
+    return wrapper
+
+
+def _warn_model(opts: SubmitOptions) -> None:
+    if opts.model == TINY:
+        err.print(f"[yellow]warning:[/] {TINY_WARNING}")
+    if opts.guidance > 6.0:
+        err.print(
+            f"[yellow]warning:[/] --guidance {opts.guidance:g}: distilled few-step models over-expose "
+            "(blown-out, saturated frames) above about 6; they are made for 1.0-2.0"
+        )
+
+
+def _report(bf: BatchFile) -> None:
+    for w in bf.warnings:
+        err.print(f"[yellow]warning:[/] {escape(str(w))}", soft_wrap=True)
+
+
+def _submit(path: str, opts: SubmitOptions) -> SubmitResult:
+    db = _db()
+    try:
+        res = submit(db, path, opts)
+    except BatchInvalid as e:
+        _report(e.batch)
+        raise click.ClickException(str(e))
+    except (SubmitError, ModelError) as e:
+        raise click.ClickException(str(e))
+    _report(res.file)
+    if res.file.errors:
+        err.print(f"[yellow]skipped {len(res.file.bad_lines)} invalid row(s):[/]")
+        for p in res.file.errors:
+            err.print(f"  {p}", soft_wrap=True, markup=False)
+    err.print(f"batch [bold]{res.batch_id}[/]: {len(res.job_ids)} job(s) queued in {db.url}")
+    return res
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="clipmill")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def main(verbose: int) -> None:
+    """Bulk-render short ad clips from prompt batches, check them, and store them.
+
+    \b
+    Example:
+      clipmill run examples/ad-batch.csv      # embedded: SQLite, no broker
+      clipmill status
+
+    The job table is SQLite at ./clipmill.db unless CLIPMILL_DATABASE_URL says otherwise.
+    """
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--resume", "resume", default=None, metavar="BATCH",
+              help="Finish an existing batch (after a crash or a submit) instead of reading FILE.")
+@click.option("--group-size", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Compatible jobs rendered in one call.")
+@click.option("--device", default=None, help="torch device [default: cuda if available, else cpu].")
+@batch_options
+@submit_options
+def run(file, resume, group_size, device, opts: SubmitOptions):
+    """Submit FILE and render, post-process and QC it in this process.
+
+    Exits 0 when the batch completed, even if QC rejected clips; 1 on bad input.
+
+    \b
+    Example:
+      clipmill run examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+      clipmill run --resume ad-batch-20261129-210000
+    """
+    from jobs.embedded import run_batch
+    from jobs.stages import WorkerContext
+
+    if (file is None) == (resume is None):
+        raise click.UsageError("give FILE or --resume BATCH (one of them)")
+    if resume is None:
+        _warn_model(opts)
+        batch_id = _submit(file, opts).batch_id
+    else:
+        batch_id = resume
+    db = _db()
+    try:
+        info = batch_status(db, batch_id)
+    except SubmitError as e:
+        raise click.ClickException(str(e))
+    if resume is not None and info["model"] == TINY:
+        err.print(f"[yellow]warning:[/] {TINY_WARNING}")
+    device = device or _default_device()
+    ctx = WorkerContext(db, device=device)
+    todo = sum(info["states"][s] for s in ("queued", "rendering", "post"))
+    t0 = time.perf_counter()
+    with Progress(
+        TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=False,
+    ) as progress:
+        render_t = progress.add_task("render", total=todo)
+        steps_t = progress.add_task("  steps", total=1)
+        qc_t = progress.add_task("post+qc", total=todo)
+
+        class Ev:
+            def group_started(self, size, steps):
+                progress.update(steps_t, completed=0, total=steps, description=f"  group {size}")
+
+            def step(self, done, total):
+                progress.update(steps_t, completed=done)
+
+            def rendered(self, n):
+                progress.advance(render_t, n)
+
+            def checked(self, verdict):
+                progress.advance(qc_t, 1)
+
+        try:
+            stats = run_batch(ctx, batch_id, group_size, Ev())
+        except ModelError as e:
+            raise click.ClickException(str(e))
+    wall = time.perf_counter() - t0
+    _summary(batch_status(db, batch_id), wall)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _summary(st: dict, wall: float) -> None:
+    s = st["states"]
+    done = s["passed"] + s["rejected"] + s["failed"]
+    t = Table(title=f"batch {st['batch']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("passed", f"[green]{s['passed']}[/]")
+    t.add_row("rejected by QC", f"[yellow]{s['rejected']}[/]")
+    t.add_row("failed", f"[red]{s['failed']}[/]")
+    if s["queued"] + s["rendering"] + s["post"]:
+        t.add_row("still open", str(s["queued"] + s["rendering"] + s["post"]))
+    t.add_row("wall time", f"{wall:.1f} s")
+    t.add_row("seconds per clip", f"{wall / done:.2f}" if done else "-")
+    t.add_row("files", str(Path(st["out"]) / st["batch"]) if "://" not in st["out"] else f"{st['out']}/{st['batch']}")
+    out.print(t)
+    rejected = [r for r in st["rows"] if r["state"] in ("rejected", "failed")]
+    for r in rejected[:20]:
+        why = "; ".join(r["reasons"]) or (r["error"] or "")
+        out.print(f"  job {r['job']} (line {r['line']}) {r['state']}: {why}", soft_wrap=True, markup=False)
+
+
+@main.command("submit")
+@click.argument("file", type=click.Path(dir_okay=False))
+@batch_options
+@submit_options
+def submit_cmd(file, opts: SubmitOptions):
+    """Validate FILE and queue its jobs in the job table, rendering nothing.
+
+    All or nothing: a file with a bad row leaves the database unchanged, unless --skip-invalid.
+    Queued jobs are rendered by `clipmill run --resume BATCH`.
+
+    \b
+    Example:
+      clipmill submit examples/ad-batch.csv --batch friday-ads --tier quality
+    """
+    _warn_model(opts)
+    res = _submit(file, opts)
+    out.print(res.batch_id)
+
+
+@main.command()
+@click.argument("batch", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def status(batch, as_json):
+    """Show batches, or one BATCH's jobs with their attempts, verdicts and files.
+
+    \b
+    Example:
+      clipmill status
+      clipmill status ad-batch-20261129-210000 --json
+    """
+    db = _db()
+    if batch is None:
+        rows = list_batches(db)
+        if as_json:
+            out.print_json(data=rows) if sys.stdout.isatty() else click.echo(json.dumps(rows))
+            return
+        t = Table("batch", "jobs", "queued", "running", "passed", "rejected", "failed", "created")
+        for r in rows:
+            s = r["states"]
+            t.add_row(r["batch"], str(r["jobs"]), str(s["queued"]), str(s["rendering"] + s["post"]),
+                      str(s["passed"]), str(s["rejected"]), str(s["failed"]), r["created_at"][:19])
+        out.print(t)
+        return
+    try:
+        st = batch_status(db, batch)
+    except SubmitError as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(st, ensure_ascii=False))
+        return
+    t = Table("job", "id", "line", "state", "tries", "tier", "seed", "verdict / reasons", "clip", title=f"batch {batch}")
+    for r in st["rows"]:
+        why = r["verdict"] or ""
+        if r["reasons"]:
+            why += ": " + "; ".join(r["reasons"])
+        elif r["error"]:
+            why = r["error"]
+        t.add_row(str(r["job"]), r["id"] or "", str(r["line"]), r["state"], str(len(r["attempts"])), r["tier"],
+                  str(r["seed"]), why, r["location"] or "")
+    out.print(t)
+    s = st["states"]
+    out.print(" ".join(f"{k}={v}" for k, v in s.items() if v))
+
+
+@main.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="JSON Lines: one {path, verdict, reasons, metrics} per file.")
+def qc(files, as_json):
+    """Check video FILES for broken frames: black or flat frames, jumps, frozen stretches, flicker.
+
+    Exits 0 when every file could be read (whatever the verdicts), 1 otherwise.
+
+    \b
+    Example:
+      clipmill qc clipmill-out/*/*/a1.mp4 --json
+    """
+    from pipeline.video import VideoError, decode
+    from qc import check_frames
+
+    unreadable = 0
+    for f in files:
+        try:
+            frames, fps = decode(f)
+            res = check_frames(frames, fps)
+            rec = {"path": f, "verdict": res.verdict, "reasons": res.reasons, "metrics": res.metrics}
+        except (VideoError, FileNotFoundError, IsADirectoryError) as e:
+            unreadable += 1
+            rec = {"path": f, "verdict": "reject", "reasons": [f"unreadable: {e}"], "metrics": {}}
+        if as_json:
+            click.echo(json.dumps(rec, ensure_ascii=False))
+        else:
+            colour = "green" if rec["verdict"] == "pass" else "red"
+            out.print(f"[{colour}]{rec['verdict']}[/] {escape(f)}", soft_wrap=True)
+            for r in rec["reasons"]:
+                out.print(f"    {r}", markup=False, soft_wrap=True)
+    if unreadable:
+        sys.exit(1)
+
+
+@main.group()
+def prompts():
+    """Work with prompt batch files without submitting them."""
+
+
+@prompts.command("check")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the cleaned rows and problems as JSON.")
+@batch_options
+def prompts_check(file, as_json, opts: SubmitOptions):
+    """Print FILE's cleaned prompts and every problem; submit nothing.
+
+    Exits 1 if any row is invalid.
+
+    \b
+    Example:
+      clipmill prompts check examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+    """
+    try:
+        _, bf = check_file(file, opts)
+    except ModelError as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps({
+            "rows": [r.__dict__ for r in bf.rows],
+            "errors": [str(p) for p in bf.errors],
+            "warnings": [str(p) for p in bf.warnings],
+        }, ensure_ascii=False))
+    else:
+        t = Table("line", "id", "tier", "frames", "fps", "size", "seed", "tokens", "cleaned prompt", title=file)
+        for r in bf.rows:
+            t.add_row(str(r.line), r.client_id or "", r.tier, str(r.frames), str(r.fps), f"{r.width}x{r.height}",
+                      str(r.seed), str(r.tokens), r.prompt)
+        out.print(t)
+        _report(bf)
+        for p in bf.errors:
+            err.print(f"[red]error:[/] {escape(str(p))}", soft_wrap=True)
+        err.print(f"{len(bf.rows)} valid row(s), {len(bf.errors)} error(s), {len(bf.warnings)} warning(s)")
+    if bf.errors:
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

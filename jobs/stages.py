@@ -1,0 +1,247 @@
+"""The two stages of a clip, as functions of ids: render a group, post-process one attempt.
+
+The embedded runner calls these in process; Celery tasks wrap the same functions. Each is safe
+to run twice: a stage whose attempt already moved on does nothing, and every attempt writes
+only under its own storage keys (``{batch}/{job}/a{n}.*``), so a rerun overwrites its own
+files atomically and never duplicates a clip.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import tempfile
+import time
+import traceback
+from datetime import datetime, timezone
+from typing import Callable
+
+import numpy as np
+from sqlalchemy import select
+
+from jobs.db import Database
+from jobs.models import Attempt, Batch, Job
+from jobs.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
+from pipeline.models import model_info
+from pipeline.render import ClipRequest, GroupSettings, Renderer
+from pipeline.retime import retime_linear
+from pipeline.video import decode, encode_h264, poster_jpeg
+from qc import QCConfig, check_frames
+from storage import Storage, open_storage
+
+log = logging.getLogger("clipmill.stages")
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class WorkerContext:
+    """What a worker keeps between tasks: the database, warm models and storage backends."""
+
+    def __init__(self, db: Database, device: str = "cpu", qc_config: QCConfig = QCConfig()):
+        self.db = db
+        self.device = device
+        self.qc_config = qc_config
+        self._renderer: tuple[str, Renderer] | None = None
+        self._storages: dict[str, Storage] = {}
+
+    def renderer(self, model: str) -> Renderer:
+        """The renderer for ``model``, loaded once and kept warm (one model at a time)."""
+        if self._renderer is None or self._renderer[0] != model:
+            self._renderer = None  # drop the old model before loading the next
+            self._renderer = (model, Renderer(model_info(model), device=self.device))
+        return self._renderer[1]
+
+    def storage(self, out: str) -> Storage:
+        if out not in self._storages:
+            self._storages[out] = open_storage(out)
+        return self._storages[out]
+
+
+def attempt_key(job: Job, attempt: Attempt, suffix: str) -> str:
+    return f"{job.batch_id}/{job.id}/a{attempt.number}{suffix}"
+
+
+def _fail(db: Database, attempt_id: int, error: str) -> None:
+    """Mark an attempt failed; its job goes back to queued with attempts left, else to failed."""
+    with db.session() as s, s.begin():
+        a = s.get(Attempt, attempt_id)
+        job = s.get(Job, a.job_id)
+        batch = s.get(Batch, job.batch_id)
+        src_attempt = AttemptState(a.state)
+        if src_attempt not in (AttemptState.RENDERING, AttemptState.RENDERED):
+            return
+        move_attempt(s, a.id, src_attempt, AttemptState.FAILED, error=error[-4000:], finished_at=now())
+        src = JobState(job.state)
+        if src not in (JobState.RENDERING, JobState.POST):
+            return
+        retry = job.attempts_made < batch.max_attempts
+        move_job(
+            s, job.id, src, JobState.QUEUED if retry else JobState.FAILED,
+            lease_owner=None, lease_expires_at=None, error=None if retry else error.splitlines()[-1][-500:],
+        )
+
+
+def render_group(
+    ctx: WorkerContext,
+    attempt_ids: list[int],
+    callback: Callable[[int, int], None] | None = None,
+) -> list[int]:
+    """Render the attempts of one claimed group; store raw frames; move them to post.
+
+    Returns the ids of attempts now waiting for post-processing.
+    """
+    with ctx.db.session() as s:
+        rows = s.execute(
+            select(Attempt, Job, Batch)
+            .join(Job, Attempt.job_id == Job.id)
+            .join(Batch, Job.batch_id == Batch.id)
+            .where(Attempt.id.in_(attempt_ids), Attempt.state == AttemptState.RENDERING.value)
+            .order_by(Attempt.id)
+        ).all()
+    if not rows:
+        return []
+    _, _, batch = rows[0]
+    first_attempt = rows[0][0]
+    settings = GroupSettings(tier=first_attempt.tier, sampler=first_attempt.sampler, guidance=first_attempt.guidance)
+    requests = [
+        ClipRequest(
+            key=a.id, prompt=j.prompt, seed=a.seed, frames=j.frames, width=j.width, height=j.height,
+            negative_prompt=j.negative_prompt,
+        )
+        for a, j, _ in rows
+    ]
+    try:
+        renderer = ctx.renderer(batch.model)
+        results = renderer.render(requests, settings, callback)
+    except Exception:  # a render error fails every attempt in the group; jobs retry if they can
+        err = traceback.format_exc()
+        log.error("render failed for attempts %s: %s", attempt_ids, err.splitlines()[-1])
+        for a, _, _ in rows:
+            _fail(ctx.db, a.id, err)
+        return []
+
+    storage = ctx.storage(batch.out)
+    done = []
+    for (a, j, _), res in zip(rows, results):
+        buf = io.BytesIO()
+        np.save(buf, res.frames, allow_pickle=False)
+        raw_key = attempt_key(j, a, ".frames.npy")
+        storage.put_bytes(raw_key, buf.getvalue())
+        timings = dict(res.timings, fps_in=res.fps)
+        try:
+            with ctx.db.session() as s, s.begin():
+                move_attempt(s, a.id, AttemptState.RENDERING, AttemptState.RENDERED, raw_key=raw_key, timings=timings)
+                move_job(s, j.id, JobState.RENDERING, JobState.POST)
+        except MoveConflict:
+            # the lease was taken back (or the job cancelled) while we rendered: drop our frames
+            log.warning("attempt %s: job %s moved while rendering; result dropped", a.id, j.id)
+            storage.delete(raw_key)
+            continue
+        done.append(a.id)
+    return done
+
+
+def sidecar(job: Job, attempt: Attempt, batch: Batch, fps_in: float, frames_out: int, qc: dict, files: dict, timings: dict) -> dict:
+    return {
+        "batch": job.batch_id,
+        "job": job.id,
+        "id": job.client_id,
+        "line": job.line,
+        "attempt": attempt.number,
+        "prompt_raw": job.prompt_raw,
+        "prompt": job.prompt,
+        "negative_prompt": job.negative_prompt,
+        "elements": job.elements,
+        "seed": attempt.seed,
+        "model": attempt.model,
+        "sampler": attempt.sampler,
+        "tier": attempt.tier,
+        "steps": attempt.steps,
+        "guidance": attempt.guidance,
+        "width": job.width,
+        "height": job.height,
+        "frames_rendered": job.frames,
+        "fps_rendered": fps_in,
+        "fps": job.fps,
+        "frames": frames_out,
+        "group_size": attempt.group_size,
+        "timings": timings,
+        "qc": qc,
+        "files": files,
+        "created_at": now().isoformat(),
+    }
+
+
+def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
+    """Frame-rate conversion, H.264 encoding, QC and storage for one rendered attempt.
+
+    Returns the verdict ('pass' / 'reject'), or None if there was nothing to do or it failed.
+    """
+    with ctx.db.session() as s:
+        a = s.get(Attempt, attempt_id)
+        if a is None or a.state != AttemptState.RENDERED.value:
+            return None  # already done (a rerun), or never rendered
+        job = s.get(Job, a.job_id)
+        batch = s.get(Batch, job.batch_id)
+    storage = ctx.storage(batch.out)
+    try:
+        t0 = time.perf_counter()
+        raw = np.load(io.BytesIO(storage.get_bytes(a.raw_key)), allow_pickle=False)
+        fps_in = float(a.timings.get("fps_in", 24))
+        frames = retime_linear(raw, fps_in, job.fps)
+        t1 = time.perf_counter()
+        fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-")
+        os.close(fd)
+        try:
+            encode_h264(frames, job.fps, tmp)
+            t2 = time.perf_counter()
+            decoded, fps = decode(tmp)  # QC looks at what viewers will see
+            result = check_frames(decoded, fps, ctx.qc_config)
+            t3 = time.perf_counter()
+            files = {
+                "clip": attempt_key(job, a, ".mp4"),
+                "poster": attempt_key(job, a, ".jpg"),
+                "sidecar": attempt_key(job, a, ".json"),
+            }
+            location = storage.put_file(files["clip"], tmp)
+        finally:
+            os.unlink(tmp)
+        storage.put_bytes(files["poster"], poster_jpeg(decoded))
+        timings = dict(
+            a.timings, retime_s=t1 - t0, encode_s=t2 - t1, qc_s=t3 - t2, store_s=time.perf_counter() - t3,
+        )
+        timings["post_s"] = time.perf_counter() - t0
+        timings = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in timings.items()}
+        qc = result.to_dict()
+        storage.put_bytes(
+            files["sidecar"],
+            json.dumps(sidecar(job, a, batch, fps_in, len(decoded), qc, files, timings), ensure_ascii=False, indent=2).encode(),
+        )
+    except Exception:
+        err = traceback.format_exc()
+        log.error("post-processing failed for attempt %s: %s", attempt_id, err.splitlines()[-1])
+        _fail(ctx.db, attempt_id, err)
+        return None
+
+    passed = result.verdict == "pass"
+    try:
+        with ctx.db.session() as s, s.begin():
+            move_attempt(
+                s, a.id, AttemptState.RENDERED, AttemptState.PASSED if passed else AttemptState.REJECTED,
+                verdict=result.verdict, reasons=result.reasons, qc_metrics=result.metrics,
+                clip_key=files["clip"], poster_key=files["poster"], sidecar_key=files["sidecar"],
+                location=location, timings=timings, finished_at=now(), raw_key=None,
+            )
+            move_job(
+                s, job.id, JobState.POST, JobState.PASSED if passed else JobState.REJECTED,
+                lease_owner=None, lease_expires_at=None,
+            )
+    except MoveConflict:
+        log.warning("attempt %s: moved by another process during post-processing", attempt_id)
+        return None
+    storage.delete(a.raw_key)
+    return result.verdict

@@ -1,0 +1,90 @@
+"""H.264 encoding and decoding with PyAV, and poster images."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+CODEC = "libx264"
+PIX_FMT = "yuv420p"  # what browsers play
+
+
+class VideoError(ValueError):
+    """A file that cannot be read as video."""
+
+
+def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18) -> None:
+    """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
+
+    Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped.
+    """
+    import av
+
+    frames = np.ascontiguousarray(frames)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames: expected (F, H, W, 3) uint8, got {frames.shape} {frames.dtype}")
+    f, h, w, _ = frames.shape
+    if f == 0:
+        raise ValueError("frames: no frames to encode")
+    if h % 2 or w % 2:
+        raise ValueError(f"frames: {w}x{h} has an odd side; yuv420p needs even width and height")
+    rate = Fraction(fps).limit_denominator(1001)
+    with av.open(str(path), mode="w", format="mp4") as out:
+        stream = out.add_stream(CODEC, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
+        stream.options = {"crf": str(crf), "preset": "veryfast"}
+        stream.codec_context.options = {"movflags": "+faststart"}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+
+
+def probe(path: str | Path) -> dict:
+    """Codec, size, frame rate and frame count of a video file's first video stream."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            frames = sum(1 for _ in container.demux(stream) if _.size)
+            return {
+                "codec": stream.codec_context.name,
+                "pix_fmt": stream.codec_context.pix_fmt,
+                "width": stream.codec_context.width,
+                "height": stream.codec_context.height,
+                "fps": float(stream.average_rate or stream.guessed_rate or 0),
+                "frames": frames,
+            }
+    except (av.error.FFmpegError, IndexError) as e:
+        raise VideoError(f"{path}: not a readable video ({e})") from e
+
+
+def decode(path: str | Path) -> tuple[np.ndarray, float]:
+    """All frames of the first video stream as (F, H, W, 3) uint8 RGB, and the frame rate."""
+    import av
+
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    except (av.error.FFmpegError, IndexError) as e:
+        raise VideoError(f"{path}: not a readable video ({e})") from e
+    if not frames:
+        raise VideoError(f"{path}: the video stream has no frames")
+    return np.stack(frames), fps
+
+
+def poster_jpeg(frames: np.ndarray, quality: int = 90) -> bytes:
+    """A JPEG of the middle frame."""
+    import cv2
+
+    frame = frames[len(frames) // 2]
+    ok, buf = cv2.imencode(".jpg", frame[:, :, ::-1], [cv2.IMWRITE_JPEG_QUALITY, quality])
+    if not ok:
+        raise ValueError("poster: JPEG encoding failed")
+    return buf.tobytes()

@@ -1,0 +1,63 @@
+"""A local folder as storage. Every write goes to a temporary file in the same folder, is
+flushed to disk, then renamed over the target, so readers never see half a file."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from storage.base import check_key
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+class LocalStorage:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).expanduser().resolve()
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({str(self.root)!r})"
+
+    def path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def location(self, key: str) -> str:
+        return str(self.path(key))
+
+    def _write(self, key: str, fill) -> str:
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        try:
+            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; clips are served to reviewers
+            with os.fdopen(fd, "wb") as f:
+                fill(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return str(target)
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        return self._write(key, lambda f: f.write(data))
+
+    def put_file(self, key: str, path: str | os.PathLike) -> str:
+        def fill(f):
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, f, 1 << 20)
+
+        return self._write(key, fill)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.path(key).read_bytes()
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)

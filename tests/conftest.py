@@ -1,0 +1,68 @@
+"""Shared fixtures: a tiny-model cache, and real SQLite / PostgreSQL databases.
+
+A test that needs PostgreSQL fails in CI (CI=true) when the server is missing, and skips with
+a message naming it elsewhere, so `make test` still passes on a laptop without one.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+PG_URL = os.environ.get("CLIPMILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def need_service(name: str, error: Exception) -> None:
+    msg = f"{name} is not reachable ({error.__class__.__name__}: {error})"
+    if IN_CI:
+        pytest.fail(f"{msg}; CI must provide it", pytrace=False)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tiny_cache(tmp_path_factory):
+    """One tiny model for the whole session, built through save_pretrained/from_pretrained."""
+    cache = os.environ.get("CLIPMILL_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
+    os.environ["CLIPMILL_CACHE"] = cache
+    return cache
+
+
+@pytest.fixture
+def sqlite_url(tmp_path):
+    return f"sqlite:///{tmp_path / 'clipmill.db'}"
+
+
+@pytest.fixture
+def pg_url():
+    """A fresh schema in the local PostgreSQL `test` database, dropped afterwards."""
+    import sqlalchemy as sa
+
+    schema = f"t_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = sa.create_engine(PG_URL)
+        with admin.begin() as c:
+            c.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+    except Exception as e:  # noqa: BLE001 - any connection failure means the service is missing
+        need_service(f"PostgreSQL at {PG_URL}", e)
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    with admin.begin() as c:
+        c.execute(sa.text(f'DROP SCHEMA "{schema}" CASCADE'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request):
+    return request.getfixturevalue("sqlite_url" if request.param == "sqlite" else "pg_url")
+
+
+@pytest.fixture
+def db(db_url):
+    from jobs.db import Database
+
+    d = Database(db_url)
+    yield d
+    d.dispose()
