@@ -89,11 +89,12 @@ def submit_options(fn):
 
 def _warn_model(opts: SubmitOptions) -> None:
     if opts.model == TINY:
-        err.print(f"[yellow]warning:[/] {TINY_WARNING}")
+        err.print(f"[yellow]warning:[/] {TINY_WARNING}", soft_wrap=True)
     if opts.guidance > 6.0:
         err.print(
             f"[yellow]warning:[/] --guidance {opts.guidance:g}: distilled few-step models over-expose "
-            "(blown-out, saturated frames) above about 6; they are made for 1.0-2.0"
+            "(blown-out, saturated frames) above about 6; they are made for 1.0-2.0",
+            soft_wrap=True,
         )
 
 
@@ -172,7 +173,7 @@ def run(file, resume, group_size, device, opts: SubmitOptions):
     except SubmitError as e:
         raise click.ClickException(str(e))
     if resume is not None and info["model"] == TINY:
-        err.print(f"[yellow]warning:[/] {TINY_WARNING}")
+        err.print(f"[yellow]warning:[/] {TINY_WARNING}", soft_wrap=True)
     device = device or _default_device()
     ctx = WorkerContext(db, device=device)
     todo = sum(info["states"][s] for s in ("queued", "rendering", "post"))

@@ -47,7 +47,7 @@ class Problem:
     message: str
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}"
+        where = f"{self.file}:{self.line}" if self.line else self.file
         if self.field is None:
             return f"{where}: {self.message}"
         return f"{where}: {self.field}: {_show(self.value)} {self.message}"
@@ -57,7 +57,9 @@ def _show(value: object) -> str:
     if isinstance(value, str):
         v = value if len(value) <= 80 else value[:77] + "..."
         return repr(v)
-    return json.dumps(value, ensure_ascii=False) if not isinstance(value, (int, float)) else str(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
 
 
 @dataclass
@@ -118,9 +120,13 @@ class FileProblem(Exception):
         super().__init__(str(problem))
 
 
-def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, dict]]]:
+Records = tuple[list[str], list[tuple[int, dict]], list[Problem]]
+
+
+def _read_csv(path: Path, text: str) -> Records:
     reader = csv.reader(io.StringIO(text, newline=""), strict=True)
     records: list[tuple[int, dict]] = []
+    problems: list[Problem] = []
     header: list[str] | None = None
     start = 1
     try:
@@ -137,39 +143,43 @@ def _read_csv(path: Path, text: str) -> tuple[list[str], list[tuple[int, dict]]]
                     raise FileProblem(Problem(str(path), line, None, None, f"the header has an empty column name (column {header.index('') + 1})"))
                 continue
             if len(row) != len(header):
-                raise FileProblem(
+                problems.append(
                     Problem(str(path), line, None, None, f"{len(row)} fields, but the header has {len(header)}; quote fields that contain commas")
                 )
+                continue
             records.append((line, {k: v for k, v in zip(header, row) if v.strip() != ""}))
     except csv.Error as e:
         raise FileProblem(Problem(str(path), reader.line_num, None, None, f"malformed CSV ({e})"))
     if header is None:
         raise FileProblem(Problem(str(path), 1, None, None, "empty file; expected a header row and at least one row"))
-    return header, records
+    return header, records, problems
 
 
-def _read_jsonl(path: Path, text: str) -> tuple[list[str], list[tuple[int, dict]]]:
+def _read_jsonl(path: Path, text: str) -> Records:
     records: list[tuple[int, dict]] = []
     columns: list[str] = []
+    problems: list[Problem] = []
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
-            raise FileProblem(Problem(str(path), line, None, None, f"not valid JSON ({e.msg} at column {e.colno})"))
+            problems.append(Problem(str(path), line, None, None, f"not valid JSON ({e.msg} at column {e.colno})"))
+            continue
         if not isinstance(obj, dict):
-            raise FileProblem(Problem(str(path), line, None, None, f"expected a JSON object, got {type(obj).__name__}"))
+            problems.append(Problem(str(path), line, None, None, f"expected a JSON object, got {type(obj).__name__}"))
+            continue
         obj = {normalize(str(k)).lower(): v for k, v in obj.items() if v is not None and v != ""}
         for k in obj:
             if k not in columns:
                 columns.append(k)
         records.append((line, obj))
-    return columns, records
+    return columns, records, problems
 
 
-def read_records(path: str | Path) -> tuple[list[str], list[tuple[int, dict]]]:
-    """The columns and (line, fields) records of a CSV or JSONL file."""
+def read_records(path: str | Path) -> Records:
+    """The columns, the (line, fields) records, and the lines that could not be read."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in (".csv", ".jsonl", ".ndjson"):
@@ -360,6 +370,8 @@ class RowChecker:
             how = "give prompt, or all of subject, action, scene, camera"
             if self.template:
                 how += f", or the --template columns ({', '.join(self.template_cols)})"
+            else:
+                how += ", or use --template"
             errs.append(P("prompt", "", f"is missing; {how}"))
 
         prompt = elements.canonical()
@@ -462,11 +474,13 @@ def read_batch(
         out.errors.append(Problem(path_s, 0, None, None, str(e)))
         return out
     try:
-        columns, records = read_records(path)
+        columns, records, unreadable = read_records(path)
     except FileProblem as e:
         out.errors.append(e.problem)
         return out
-    if not records:
+    out.errors.extend(unreadable)
+    out.bad_lines.update(p.line for p in unreadable)
+    if not records and not unreadable:
         out.errors.append(Problem(path_s, 1, None, None, "no rows; expected at least one prompt"))
         return out
     if path_s.lower().endswith(".csv"):

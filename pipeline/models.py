@@ -250,6 +250,7 @@ def quiet_hf() -> None:
 
 
 def load_tokenizer(info: ModelInfo):
+    quiet_hf()
     from transformers import CLIPTokenizer
 
     return CLIPTokenizer.from_pretrained(info.path / "tokenizer")
