@@ -192,7 +192,7 @@ def split_free_prompt(text: str) -> Elements:
             kept.append(clause)
     rest = _CAMERA_RE.sub(take, ",".join(kept))
     clauses = [c.strip(" .;:-") for c in re.split(r"[,;]", rest)]
-    clauses = [re.sub(r"\b(with|and|a|an|the)$", "", c, flags=re.IGNORECASE).strip() for c in clauses]
+    clauses = [re.sub(r"\s+(with|and|a|an|the)$", "", c, flags=re.IGNORECASE).strip() for c in clauses]
     clauses = [c for c in clauses if c]
     scene = [c for c in clauses if _SCENE_RE.match(c)]
     subject = [c for c in clauses if c not in scene]
