@@ -1,0 +1,160 @@
+"""`clipmill run` end to end on the tiny model, in a real subprocess, against real databases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import select
+
+from jobs.db import Database
+from jobs.models import Attempt, Job
+from pipeline.video import decode, probe
+
+BATCH = (
+    "id,dish,store,subject,action,scene,camera,fps,seed\n"
+    "r1,tonkotsu ramen,Menya Kaz,,,,dolly in,30,11\n"
+    "r2,红烧肉,老街面馆,,,,特写,60,12\n"
+    "r3,,,a barista,pours latte art,in a sunlit cafe,push in,24,13\n"
+    "r4,,,一碗牛肉面,冒着热气,在兰州拉面馆里,环绕,30,14\n"
+    "r5,dumplings,Golden Lotus,,,,orbit,30,15\n"
+)
+
+
+def clipmill(*args, db_url, cwd, check=True):
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=db_url)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_run_end_to_end(db_url, tmp_path):
+    (tmp_path / "ads.csv").write_text(BATCH)
+    out = tmp_path / "out"
+    proc = clipmill(
+        "run", "ads.csv", "--batch", "ads", "--out", str(out), "--size", "64", "--frames", "8",
+        "--template", "{dish} on a table in {store}, {camera}", db_url=db_url, cwd=tmp_path,
+    )
+    assert "random weights: its clips are noise" in proc.stderr  # the tiny-model warning
+    assert "seconds per clip" in proc.stdout and str(out / "ads") in proc.stdout
+
+    db = Database(db_url)
+    with db.session() as s:
+        jobs = s.scalars(select(Job).where(Job.batch_id == "ads").order_by(Job.id)).all()
+        attempts = {a.job_id: a for a in s.scalars(select(Attempt))}
+    assert len(jobs) == 5
+    sizes = set()
+    for job in jobs:
+        a = attempts[job.id]
+        sizes.add(a.group_size)
+        assert job.state in ("passed", "rejected")
+        assert a.state == job.state and a.verdict == {"passed": "pass", "rejected": "reject"}[job.state]
+        assert (a.number, a.tier, a.steps, a.seed, a.model, a.sampler) == (1, "fast", 6, job.seed, "tiny", "lightning")
+        assert a.raw_key is None and a.error is None
+        folder = out / "ads" / str(job.id)
+        assert sorted(p.name for p in folder.iterdir()) == ["a1.jpg", "a1.json", "a1.mp4"]  # raw frames removed
+        assert a.location == str(folder / "a1.mp4")
+
+        info = probe(folder / "a1.mp4")
+        assert (info["codec"], info["pix_fmt"], info["width"], info["height"]) == ("h264", "yuv420p", 64, 64)
+        assert info["frames"] == round((8 - 1) * job.fps / 24) + 1
+        assert info["fps"] == pytest.approx(job.fps)
+
+        side = json.loads((folder / "a1.json").read_text())
+        assert side["prompt_raw"] == job.prompt_raw and side["prompt"] == job.prompt
+        assert (side["seed"], side["model"], side["tier"], side["steps"]) == (job.seed, "tiny", "fast", 6)
+        assert side["frames"] == info["frames"] and side["fps"] == job.fps and side["fps_rendered"] == 24
+        assert side["qc"]["verdict"] == a.verdict and side["qc"]["reasons"] == a.reasons
+        assert side["files"] == {"clip": f"ads/{job.id}/a1.mp4", "poster": f"ads/{job.id}/a1.jpg",
+                                 "sidecar": f"ads/{job.id}/a1.json"}
+        for k in ("encode_s", "denoise_s", "decode_s", "encode_s", "qc_s", "post_s"):
+            assert side["timings"][k] >= 0
+        assert (folder / "a1.jpg").read_bytes()[:2] == b"\xff\xd8"
+
+        # `clipmill qc` on the stored file says what the pipeline stored
+        qc = json.loads(clipmill("qc", str(folder / "a1.mp4"), "--json", db_url=db_url, cwd=tmp_path).stdout)
+        assert set(qc) == {"path", "verdict", "reasons", "metrics"}
+        assert (qc["verdict"], qc["reasons"]) == (a.verdict, a.reasons)
+    assert sizes == {4, 1}  # five compatible jobs: a group of four, then one
+    assert jobs[1].prompt == "红烧肉 on a table in 老街面馆, close-up"
+
+    st = json.loads(clipmill("status", "ads", "--json", db_url=db_url, cwd=tmp_path).stdout)
+    assert st["jobs"] == 5 and st["states"]["passed"] + st["states"]["rejected"] == 5
+    db.dispose()
+
+
+def test_resume_after_crash_finishes_every_job_once(sqlite_url, tmp_path):
+    """A run that died mid-batch (one group claimed by a dead process, one rendered but not
+    post-processed) is finished by `run --resume`: no job lost, no clip duplicated."""
+    from jobs.batches import SubmitOptions, submit
+    from jobs.queue import claim_group
+    from jobs.stages import WorkerContext, render_group
+
+    (tmp_path / "b.csv").write_text("prompt,size,frames\n" + "".join(f'"dish {i}, orbit",64,8\n' for i in range(4)))
+    db = Database(sqlite_url)
+    submit(db, tmp_path / "b.csv", SubmitOptions(batch="b", out=str(tmp_path / "out")))
+    # a process that exited: its pid is free, so its lease is stale at once
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    import socket
+
+    owner = f"{socket.gethostname()}:{int(dead.stdout)}"
+    claimed_dead = claim_group(db, owner, "b", size=2)
+    rendered = claim_group(db, "me:1", "b", size=2)
+    done = render_group(WorkerContext(db), [c.attempt_id for c in rendered])
+    assert len(done) == 2  # rendered, raw frames stored, never post-processed
+
+    clipmill("run", "--resume", "b", db_url=sqlite_url, cwd=tmp_path)
+    with db.session() as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        attempts = s.scalars(select(Attempt).order_by(Attempt.job_id, Attempt.number)).all()
+    assert all(j.state in ("passed", "rejected") for j in jobs)
+    by_job = {j.id: [a for a in attempts if a.job_id == j.id] for j in jobs}
+    for c in claimed_dead:  # abandoned attempt 1, fresh attempt 2
+        assert [(a.number, a.state) for a in by_job[c.job_id]][0] == (1, "failed")
+        assert by_job[c.job_id][1].state in ("passed", "rejected")
+        files = sorted(p.name for p in (tmp_path / "out" / "b" / str(c.job_id)).iterdir())
+        assert files == ["a2.jpg", "a2.json", "a2.mp4"]
+    for c in rendered:  # post-processed from the stored frames, not rendered again
+        assert [a.number for a in by_job[c.job_id]] == [1]
+        files = sorted(p.name for p in (tmp_path / "out" / "b" / str(c.job_id)).iterdir())
+        assert files == ["a1.jpg", "a1.json", "a1.mp4"]
+    db.dispose()
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_cache):
+    from pipeline.models import model_info
+    from pipeline.render import Renderer
+
+    return Renderer(model_info("tiny"))
+
+
+def test_same_seed_same_frames_and_group_does_not_change_a_clip(renderer):
+    from pipeline.render import ClipRequest, GroupSettings
+
+    reqs = [ClipRequest(i, f"clip number {i}, orbit", 100 + i, 8, 64, 64) for i in range(4)]
+    for sampler in ("lightning", "lcm"):
+        settings = GroupSettings("fast", sampler)
+        alone = renderer.render([reqs[2]], settings)[0].frames
+        again = renderer.render([reqs[2]], settings)[0].frames
+        group = renderer.render(reqs, settings)
+        assert np.array_equal(alone, again)
+        diff = np.abs(group[2].frames.astype(int) - alone.astype(int))
+        assert diff.max() <= 2 and diff.mean() < 0.05, (sampler, diff.max(), diff.mean())
+        assert np.abs(group[1].frames.astype(int) - group[2].frames.astype(int)).mean() > 1  # seeds differ
+        assert [r.key for r in group] == [0, 1, 2, 3]
+
+
+def test_group_with_mixed_sizes_is_refused(renderer):
+    from pipeline.render import ClipRequest, GroupSettings
+
+    with pytest.raises(ValueError, match="same frames, width and height"):
+        renderer.render([ClipRequest(0, "a", 1, 8, 64, 64), ClipRequest(1, "b", 2, 8, 96, 64)], GroupSettings())
