@@ -1,7 +1,7 @@
 """Frame-rate conversion, first version: linear blending of the two nearest frames.
 
-The output keeps the clip's duration: ``round((n - 1) * fps_out / fps_in) + 1`` frames, the
-first equal to the first input frame and the last to the last.
+The output keeps the clip's timing: ``round((n - 1) * fps_out / fps_in) + 1`` frames, output
+frame k showing input time ``k * fps_in / fps_out``; the first equals the first input frame.
 """
 
 from __future__ import annotations
