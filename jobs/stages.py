@@ -212,7 +212,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
             os.unlink(tmp)
         storage.put_bytes(files["poster"], poster_jpeg(decoded))
         timings = dict(
-            a.timings, retime_s=t1 - t0, encode_s=t2 - t1, qc_s=t3 - t2, store_s=time.perf_counter() - t3,
+            a.timings, retime_s=t1 - t0, h264_s=t2 - t1, qc_s=t3 - t2, store_s=time.perf_counter() - t3,
         )
         timings["post_s"] = time.perf_counter() - t0
         timings = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in timings.items()}

@@ -127,7 +127,7 @@ class Renderer:
         t3 = time.perf_counter()
 
         share = {
-            "encode_s": (t1 - t0) / n,
+            "text_s": (t1 - t0) / n,
             "denoise_s": (t2 - t1) / n,
             "decode_s": (t3 - t2) / n,
         }

@@ -75,7 +75,7 @@ def test_run_end_to_end(db_url, tmp_path):
         assert side["qc"]["verdict"] == a.verdict and side["qc"]["reasons"] == a.reasons
         assert side["files"] == {"clip": f"ads/{job.id}/a1.mp4", "poster": f"ads/{job.id}/a1.jpg",
                                  "sidecar": f"ads/{job.id}/a1.json"}
-        for k in ("encode_s", "denoise_s", "decode_s", "encode_s", "qc_s", "post_s"):
+        for k in ("text_s", "denoise_s", "decode_s", "render_s", "retime_s", "h264_s", "qc_s", "post_s"):
             assert side["timings"][k] >= 0
         assert (folder / "a1.jpg").read_bytes()[:2] == b"\xff\xd8"
 
