@@ -298,39 +298,109 @@ def status(batch, as_json):
     out.print(" ".join(f"{k}={v}" for k, v in s.items() if v))
 
 
-@main.command()
-@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="JSON Lines: one {path, verdict, reasons, metrics} per file.")
-def qc(files, as_json):
-    """Check video FILES for broken frames: black or flat frames, jumps, frozen stretches, flicker.
+def _qc_config(config: str | None, sets: tuple[str, ...]):
+    from qc import QCConfig
 
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        overrides[key.strip()] = value.strip()
+    try:
+        return QCConfig.load(config, overrides)
+    except ValueError as e:
+        raise click.ClickException(str(e))
+
+
+def qc_config_options(fn):
+    @click.option("--qc-config", "qc_config", type=click.Path(dir_okay=False), default=None,
+                  envvar="CLIPMILL_QC_CONFIG", help="TOML file of QC thresholds (keys of qc.QCConfig).")
+    @click.option("--set", "qc_set", multiple=True, metavar="KEY=VALUE", help="Override one QC threshold; repeatable.")
+    @functools.wraps(fn)
+    def wrapper(*args, qc_config, qc_set, **kw):
+        return fn(*args, qc_cfg=_qc_config(qc_config, qc_set), **kw)
+
+    return wrapper
+
+
+@main.command()
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="JSON Lines: one {path, verdict, reasons, metrics} per file.")
+@click.option("--explain", is_flag=True, help="Also print the metric curves over time (with --json: a 'series' key).")
+@click.option("--sheet", is_flag=True, help="Write a contact sheet PNG (frames and metric curves) beside each file.")
+@click.option("--bench", is_flag=True, help="Measure QC instead: confusion table on the synthetic labelled set, and 720p speed.")
+@qc_config_options
+def qc(files, as_json, explain, sheet, bench, qc_cfg):
+    """Check video FILES for broken clips: flicker, garbage or block-corrupted frames, black or
+    flat frames, frozen stretches, cuts, over-exposure, boiling texture, collapse into blur.
+
+    Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
     Exits 0 when every file could be read (whatever the verdicts), 1 otherwise.
 
     \b
     Example:
       clipmill qc clipmill-out/*/*/a1.mp4 --json
+      clipmill qc clip.mp4 --explain --sheet --set min_pair_ssim=0.4
+      clipmill qc --bench
     """
+    if bench:
+        _qc_bench(qc_cfg, as_json)
+        return
+    if not files:
+        raise click.UsageError("give one or more FILES, or --bench")
     from pipeline.video import VideoError, decode
-    from qc import check_frames
+    from qc import check_frames_with_series
+    from qc.report import contact_sheet, explain_lines
 
     unreadable = 0
     for f in files:
+        series = None
         try:
             frames, fps = decode(f)
-            res = check_frames(frames, fps)
+            res, series = check_frames_with_series(frames, fps, qc_cfg)
             rec = {"path": f, "verdict": res.verdict, "reasons": res.reasons, "metrics": res.metrics}
+            if sheet:
+                Path(f + ".sheet.png").write_bytes(contact_sheet(frames, series, res))
         except (VideoError, FileNotFoundError, IsADirectoryError) as e:
             unreadable += 1
             rec = {"path": f, "verdict": "reject", "reasons": [f"unreadable: {e}"], "metrics": {}}
         if as_json:
+            if explain and series is not None:
+                rec["series"] = series.as_lists()
             click.echo(json.dumps(rec, ensure_ascii=False))
-        else:
-            colour = "green" if rec["verdict"] == "pass" else "red"
-            out.print(f"[{colour}]{rec['verdict']}[/] {escape(f)}", soft_wrap=True)
-            for r in rec["reasons"]:
-                out.print(f"    {r}", markup=False, soft_wrap=True)
+            continue
+        colour = "green" if rec["verdict"] == "pass" else "red"
+        out.print(f"[{colour}]{rec['verdict']}[/] {escape(f)}", soft_wrap=True)
+        for r in rec["reasons"]:
+            out.print(f"    {r}", markup=False, soft_wrap=True)
+        if explain and series is not None:
+            for line in explain_lines(series, fps):
+                out.print("    " + line, markup=False, soft_wrap=True)
     if unreadable:
         sys.exit(1)
+
+
+def _qc_bench(cfg, as_json: bool) -> None:
+    from qc.bench import confusion, speed_720p
+
+    with err.status("QC on the synthetic labelled set (good and broken clips)..."):
+        conf = confusion(cfg)
+    with err.status("QC speed on a 5-second 720p clip..."):
+        speed = speed_720p(cfg)
+    if as_json:
+        click.echo(json.dumps({"confusion": conf, "speed": speed}))
+        return
+    t = Table("", "QC pass", "QC reject", title=f"QC on {conf['good_passed'] + conf['good_rejected']} good and "
+              f"{conf['broken_rejected'] + conf['broken_passed']} broken clips (seeds {conf['seeds']}, {conf['size']})")
+    t.add_row("good", str(conf["good_passed"]), str(conf["good_rejected"]))
+    t.add_row("broken", str(conf["broken_passed"]), str(conf["broken_rejected"]))
+    out.print(t)
+    out.print(f"broken caught: {conf['broken_caught']:.1%}   good falsely rejected: {conf['good_false_reject']:.1%}")
+    out.print("caught per defect: " + ", ".join(f"{k} {v}" for k, v in conf["per_defect"].items()))
+    for m in conf["misses"]:
+        out.print(f"  miss: {m['clip']} -> {m['verdict']} {'; '.join(m['reasons'])}", markup=False, soft_wrap=True)
+    out.print(f"speed, {speed['clip']}: decode {speed['decode_s']} s + QC {speed['qc_s']} s = {speed['total_s']} s")
 
 
 @main.group()

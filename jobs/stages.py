@@ -28,7 +28,8 @@ from pipeline.models import model_info
 from pipeline.render import ClipRequest, GroupSettings, Renderer
 from pipeline.retime import retime_linear
 from pipeline.video import decode, encode_h264, poster_jpeg
-from qc import QCConfig, check_frames
+from qc import QCConfig, check_frames_with_series
+from qc.report import contact_sheet
 from storage import Storage, open_storage
 
 log = logging.getLogger("clipmill.stages")
@@ -200,17 +201,19 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
             encode_h264(frames, job.fps, tmp)
             t2 = time.perf_counter()
             decoded, fps = decode(tmp)  # QC looks at what viewers will see
-            result = check_frames(decoded, fps, ctx.qc_config)
+            result, series = check_frames_with_series(decoded, fps, ctx.qc_config)
             t3 = time.perf_counter()
             files = {
                 "clip": attempt_key(job, a, ".mp4"),
                 "poster": attempt_key(job, a, ".jpg"),
                 "sidecar": attempt_key(job, a, ".json"),
+                "sheet": attempt_key(job, a, ".sheet.png"),
             }
             location = storage.put_file(files["clip"], tmp)
         finally:
             os.unlink(tmp)
         storage.put_bytes(files["poster"], poster_jpeg(decoded))
+        storage.put_bytes(files["sheet"], contact_sheet(decoded, series, result))
         timings = dict(
             a.timings, retime_s=t1 - t0, h264_s=t2 - t1, qc_s=t3 - t2, store_s=time.perf_counter() - t3,
         )

@@ -70,6 +70,7 @@ def decode(path: str | Path) -> tuple[np.ndarray, float]:
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
+            stream.thread_type = "AUTO"  # frame and slice threads
             fps = float(stream.average_rate or stream.guessed_rate or 0)
             frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
     except (av.error.FFmpegError, IndexError) as e:

@@ -1,5 +1,5 @@
-"""Quality control over frames: metrics and pass/reject verdicts. Knows nothing of jobs."""
+"""QC: metrics and pass/reject verdicts over frames. Knows nothing of jobs or how a clip was made."""
 
-from qc.check import QCConfig, QCResult, check_frames
+from qc.check import QCConfig, QCResult, check_frames, check_frames_with_series
 
-__all__ = ["QCConfig", "QCResult", "check_frames"]
+__all__ = ["QCConfig", "QCResult", "check_frames", "check_frames_with_series"]

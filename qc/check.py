@@ -1,33 +1,88 @@
-"""QC verdicts: pass or reject, with a reason per defect naming frames and metric values."""
+"""QC verdicts: pass or reject, with one reason per defect naming its frames and metric value.
+
+Every threshold is a field of ``QCConfig``, with its default documented beside it. Luma,
+differences and residuals are on a 0..255 scale and measured on the working copy (long side
+``max_side``); flow is in working-copy pixels per frame.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import tomllib
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 import numpy as np
 
-from qc.metrics import FrameSeries, frame_series, runs
+from qc.metrics import Series, measure, runs
 
 
 @dataclass(frozen=True)
 class QCConfig:
-    """Thresholds. Luma and differences are on a 0..255 scale."""
-
-    max_side: int = 320  # long side of the downscaled copy the metrics use
-    black_luma: float = 16.0  # a frame whose mean luma is below this is black
-    uniform_std: float = 2.0  # a frame whose luma std is below this is uniform (flat)
-    min_ssim: float = 0.30  # any consecutive pair below this is a jump or a garbage frame
-    min_mean_ssim: float = 0.50  # the clip's mean consecutive SSIM below this: unstable throughout
-    frozen_diff: float = 0.25  # consecutive frames closer than this are identical
-    frozen_seconds: float = 0.5  # a frozen stretch this long, inside a moving clip, is a defect
-    moving_diff: float = 1.0  # the clip moves if its median consecutive difference is above this
-    flicker_luma: float = 8.0  # mean-luma swings above this that change sign every frame
-    flicker_frames: int = 3  # at least this many alternating swings in a row
+    max_side: int = 320  # long side of the working copy
+    # black / uniform frames and flat clips
+    black_luma: float = 12.0  # a frame darker than this on average ...
+    black_spread: float = 10.0  # ... and with less luma spread than this is black
+    uniform_spread: float = 3.0  # a frame with less luma spread than this is uniform (flat)
+    # garbage frames, cuts and general instability (motion-compensated)
+    spike_factor: float = 6.0  # a pair's residual this many times the clip's median is a spike ...
+    spike_min: float = 12.0  # ... and at least this large
+    min_pair_ssim: float = 0.5  # any compensated pair below this is broken
+    # block corruption: a grid cell whose residual jumps above its own temporal context
+    block_jump: float = 2.5  # (region - context) / (context + block_floor) above this
+    block_floor: float = 4.0
+    block_min: float = 8.0  # and the region's residual itself at least this
+    block_concentration: float = 4.0  # a spike whose worst region is this many times the frame's is local
+    # flicker: mean luma alternating up and down
+    flicker_luma: float = 2.5  # swings larger than this ...
+    flicker_pairs: int = 3  # ... alternating at least this many times in a row
+    # frozen stretches inside a moving clip
+    moving_flow: float = 0.2  # the clip moves if its 75th-percentile flow is above this
+    frozen_diff: float = 0.1  # a pair this close is a duplicate frame ...
+    frozen_flow_ratio: float = 0.1  # ... as is one whose flow is below this share of that percentile
+    frozen_seconds: float = 0.2  # a frozen stretch at least this long is a defect
+    # progressive over-exposure or colour blow-out: the same content (motion-compensated) gets
+    # brighter or more saturated over the clip
+    exposure_luma: float = 20.0  # summed compensated luma rise above this ...
+    exposure_clip: float = 0.03  # ... with the clipped-pixel fraction growing by this (first vs last quarter)
+    exposure_saturation: float = 0.10  # or summed compensated saturation rise (0..1) above this
+    # boiling texture: texture re-rolls every frame, so compensation cannot explain it
+    boiling_ssim: float = 0.8  # median compensated SSIM below this ...
+    boiling_hp: float = 0.7  # ... with a high-frequency residual ratio above this
+    # collapse into blur or smear
+    blur_ratio: float = 0.6  # sharpness of the same content, last quarter / first quarter, below this
+    # anything else: a clip that compensation cannot explain at all
+    min_median_ssim: float = 0.6
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def load(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None) -> QCConfig:
+        """Defaults, then a TOML file (top-level keys or a [qc] table), then ``overrides``."""
+        values: dict = {}
+        if path is not None:
+            try:
+                data = tomllib.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ValueError(f"--config {str(path)!r}: no such file")
+            except tomllib.TOMLDecodeError as e:
+                raise ValueError(f"--config {str(path)!r}: not valid TOML ({e})")
+            values.update(data.get("qc", data))
+        values.update(overrides or {})
+        return cls.from_dict(values, source=str(path) if path else "--set")
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> QCConfig:
+        known = {f.name: f for f in fields(cls)}
+        out = {}
+        for k, v in values.items():
+            if k not in known:
+                raise ValueError(f"{source}: unknown QC setting {k!r}; known: {', '.join(known)}")
+            typ = int if known[k].type in ("int", int) else float
+            try:
+                out[k] = typ(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{source}: {k} = {v!r} is not {'an integer' if typ is int else 'a number'}")
+        return dataclasses.replace(cls(), **out)
 
 
 @dataclass
@@ -40,78 +95,199 @@ class QCResult:
         return asdict(self)
 
 
-def _ranges(items: list[tuple[int, int]]) -> str:
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in items)
+def _ranges(items: list[tuple[int, int]], limit: int = 4) -> str:
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in items[:limit]]
+    return ", ".join(parts) + (" ..." if len(items) > limit else "")
 
 
-def check_series(s: FrameSeries, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
+def _quarters(x: np.ndarray) -> tuple[float, float]:
+    k = max(1, len(x) // 4)
+    return float(np.mean(x[:k])), float(np.mean(x[-k:]))
+
+
+def pool2(cells: np.ndarray) -> np.ndarray:
+    """Mean over each 2x2 window of grid cells: a damaged region rarely sits inside one cell."""
+    return (cells[:, :-1, :-1] + cells[:, 1:, :-1] + cells[:, :-1, 1:] + cells[:, 1:, 1:]) / 4
+
+
+def block_jumps(cells: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per pair: the largest cell jump (value - context) / (context + floor), and that cell's value.
+
+    A cell's context at pair i is the larger of its two previous pairs (onset) or of its two
+    next pairs (end), so damage that starts or stops at once stands out, whatever it lasts.
+    """
+    m = len(cells)
+    if m == 0:
+        return np.zeros(0), np.zeros(0)
+    pad = np.concatenate([cells[:1], cells[:1], cells, cells[-1:], cells[-1:]])
+    past = np.maximum(pad[:m], pad[1 : m + 1])
+    future = np.maximum(pad[3 : m + 3], pad[4 : m + 4])
+    onset = (cells - past) / (past + floor)
+    end = (cells - future) / (future + floor)
+    j = np.maximum(onset, end)
+    flat = j.reshape(m, -1)
+    idx = flat.argmax(axis=1)
+    return flat[np.arange(m), idx], cells.reshape(m, -1)[np.arange(m), idx]
+
+
+def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     reasons: list[str] = []
-    n = len(s.luma_mean)
+    n = len(s.luma)
+    fps = fps if fps and fps > 0 else 24.0
 
-    black = runs(s.luma_mean < cfg.black_luma)
-    if black:
-        reasons.append(
-            f"black: frames {_ranges(black)} (mean luma {s.luma_mean.min():.1f} < {cfg.black_luma:g})"
-        )
-    uniform = runs((s.luma_std < cfg.uniform_std) & (s.luma_mean >= cfg.black_luma))
-    if uniform:
-        reasons.append(
-            f"uniform: frames {_ranges(uniform)} (luma std {s.luma_std.min():.2f} < {cfg.uniform_std:g})"
-        )
-
-    if n > 1:
-        low = np.flatnonzero(s.ssim < cfg.min_ssim)
-        if len(low):
-            pairs = ", ".join(f"{i}-{i + 1}" for i in low[:5]) + (" ..." if len(low) > 5 else "")
-            reasons.append(f"jump: frame pairs {pairs} (SSIM {s.ssim.min():.3f} < {cfg.min_ssim:g})")
-        if s.ssim.mean() < cfg.min_mean_ssim:
+    # 1. black and uniform frames; a clip that is flat throughout
+    black = (s.luma < cfg.black_luma) & (s.spread < cfg.black_spread)
+    uniform = (s.spread < cfg.uniform_spread) & ~black
+    if black.all() or uniform.all() or (black | uniform).all():
+        reasons.append(f"flat: frames 0-{n - 1} (luma spread at most {s.spread.max():.2f} < {cfg.uniform_spread:g})")
+    else:
+        if black.any():
             reasons.append(
-                f"unstable: frames 0-{n - 1} (mean SSIM {s.ssim.mean():.3f} < {cfg.min_mean_ssim:g})"
+                f"black: frames {_ranges(runs(black))} (mean luma {s.luma[black].min():.1f} < {cfg.black_luma:g})"
+            )
+        if uniform.any():
+            reasons.append(
+                f"uniform: frames {_ranges(runs(uniform))} (luma spread {s.spread[uniform].min():.2f} "
+                f"< {cfg.uniform_spread:g})"
+            )
+    if n < 2:
+        return _result(reasons, s, fps)
+    flat_frames = black | uniform
+
+    # 2. residual spikes: garbage frames (bad on both sides) or a cut (one bad pair)
+    med = float(np.median(s.residual))
+    spike = (s.residual > max(cfg.spike_min, cfg.spike_factor * med)) | (s.ssim < cfg.min_pair_ssim)
+    # pairs that touch a black or flat frame are already explained
+    spike &= ~(flat_frames[:-1] | flat_frames[1:])
+    pooled = pool2(s.cells)
+    concentrated = pooled.reshape(len(pooled), -1).max(axis=1) > cfg.block_concentration * (s.residual + 1.0)
+    for a, b in runs(spike):
+        if concentrated[a : b + 1].all():
+            reasons.append(
+                f"block: frame pairs {a}-{b + 1} (one region's compensated residual is "
+                f"{pooled[a].max():.1f} against {s.residual[a]:.1f} for the whole frame)"
+            )
+        elif a == b and 0 < a < n - 2 and not spike[a - 1] and not spike[a + 1]:
+            reasons.append(
+                f"jump: frames {a}-{a + 1} (compensated residual {s.residual[a]:.1f}, {s.residual[a] / max(med, 0.1):.0f}x "
+                f"the clip's median; SSIM {s.ssim[a]:.2f}): a cut or scene change"
+            )
+        elif a == b:
+            reasons.append(f"garbage: frame pair {a}-{a + 1} (compensated residual {s.residual[a]:.1f}, SSIM {s.ssim[a]:.2f})")
+        else:
+            reasons.append(
+                f"garbage: frames {_ranges([(a + 1, b)])} (compensated residual up to {s.residual[a:b + 1].max():.1f} "
+                f"> {max(cfg.spike_min, cfg.spike_factor * med):.1f}; SSIM down to {s.ssim[a:b + 1].min():.2f})"
             )
 
-        moving = float(np.median(s.diff)) > cfg.moving_diff
-        min_len = max(2, int(round(cfg.frozen_seconds * fps)))
-        frozen = [(a, b + 1) for a, b in runs(s.diff < cfg.frozen_diff) if b - a + 1 >= min_len - 1]
-        if moving and frozen:
+    # 3. block corruption: a region's residual jumps at once above its own recent past (onset)
+    #    or its near future (end), while the frame as a whole stays explained
+    if not spike.any():
+        jump, where = block_jumps(pool2(s.cells), cfg.block_floor)
+        bad = (jump > cfg.block_jump) & (where > cfg.block_min)
+        bad &= ~(flat_frames[:-1] | flat_frames[1:])
+        if bad.any():
+            i = int(np.argmax(np.where(bad, jump, -1)))
+            reasons.append(
+                f"block: frame pairs {_ranges(runs(bad))} (a region's compensated residual jumps to {where[i]:.1f}, "
+                f"{jump[i] + 1:.1f}x its level in the frames around > {cfg.block_jump + 1:g}x)"
+            )
+
+    # 4. flicker: mean luma alternating up and down
+    d = np.diff(s.luma)
+    big = np.abs(d) > cfg.flicker_luma
+    alt = big[1:] & big[:-1] & (np.sign(d[1:]) != np.sign(d[:-1]))
+    flick = [(a, b + 2) for a, b in runs(alt) if b - a + 1 >= cfg.flicker_pairs]
+    if flick:
+        reasons.append(
+            f"flicker: frames {_ranges(flick)} (mean luma swings up to {np.abs(d).max():.1f} "
+            f"> {cfg.flicker_luma:g}, alternating)"
+        )
+
+    # 5. frozen stretch inside a moving clip
+    med_flow = float(np.percentile(s.flow, 75))
+    if med_flow > cfg.moving_flow:
+        still = (s.diff < cfg.frozen_diff) | (s.flow < cfg.frozen_flow_ratio * med_flow)
+        still &= ~(flat_frames[:-1] | flat_frames[1:])
+        min_pairs = max(2, int(round(cfg.frozen_seconds * fps)))
+        frozen = [(a, b + 1) for a, b in runs(still) if b - a + 1 >= min_pairs]
+        if frozen:
             longest = max(b - a + 1 for a, b in frozen)
             reasons.append(
-                f"frozen: frames {_ranges(frozen)} ({longest} identical frames, "
-                f"{longest / fps:.2f} s >= {cfg.frozen_seconds:g} s in a moving clip)"
+                f"frozen: frames {_ranges(frozen)} ({longest} frames, {longest / fps:.2f} s, "
+                f"in a clip moving {med_flow:.2f} px/frame)"
             )
 
-        d = np.diff(s.luma_mean)
-        big = np.abs(d) > cfg.flicker_luma
-        alternating = big[1:] & big[:-1] & (np.sign(d[1:]) != np.sign(d[:-1]))
-        flick = [(a, b + 2) for a, b in runs(alternating) if b - a + 1 >= cfg.flicker_frames - 1]
-        if flick:
-            reasons.append(
-                f"flicker: frames {_ranges(flick)} (mean luma swings up to {np.abs(d).max():.1f} "
-                f"> {cfg.flicker_luma:g}, alternating)"
-            )
+    # 6. progressive over-exposure or colour blow-out
+    c0, c1 = _quarters(s.clipped)
+    ok = ~spike  # drift across a cut or garbage frame means nothing
+    lum_up = float(s.luma_drift[ok].sum())
+    sat_up = float(s.sat_drift[ok].sum())
+    if (lum_up > cfg.exposure_luma and c1 - c0 > cfg.exposure_clip) or sat_up > cfg.exposure_saturation:
+        reasons.append(
+            f"exposure: frames 0-{n - 1} (the same content gains {lum_up:+.0f} luma and {sat_up:+.2f} saturation; "
+            f"clipped pixels {c0:.0%} -> {c1:.0%}; limits +{cfg.exposure_luma:g} luma with clipping, "
+            f"+{cfg.exposure_saturation:g} saturation)"
+        )
+
+    # 7. boiling texture
+    ssim_med = float(np.median(s.ssim))
+    hp_med = float(np.median(s.hp_ratio))
+    if ssim_med < cfg.boiling_ssim and hp_med > cfg.boiling_hp and not flick:
+        reasons.append(
+            f"boiling: frames 0-{n - 1} (median compensated SSIM {ssim_med:.2f} < {cfg.boiling_ssim:g}, "
+            f"texture residual ratio {hp_med:.2f} > {cfg.boiling_hp:g})"
+        )
+    elif ssim_med < cfg.min_median_ssim and not flick:
+        reasons.append(f"unstable: frames 0-{n - 1} (median compensated SSIM {ssim_med:.2f} < {cfg.min_median_ssim:g})")
+
+    # 8. collapse into blur or smear
+    sh0, sh1 = _quarters(s.sharpness)
+    if sh0 > 0 and sh1 / sh0 < cfg.blur_ratio and not flat_frames.any():
+        reasons.append(
+            f"blur: frames {3 * n // 4}-{n - 1} (sharpness {sh1:.2f} is {sh1 / sh0:.0%} of frames 0-{n // 4 - 1}'s "
+            f"{sh0:.2f} < {cfg.blur_ratio:.0%})"
+        )
+    return _result(reasons, s, fps)
+
+
+def _result(reasons: list[str], s: Series, fps: float) -> QCResult:
+    n = len(s.luma)
+    pair = n > 1
+
+    def r(x, k=3):
+        return round(float(x), k)
 
     metrics = {
         "frames": n,
-        "fps": round(float(fps), 3),
-        "luma_mean": round(float(s.luma_mean.mean()), 3),
-        "luma_min": round(float(s.luma_mean.min()), 3),
-        "luma_std_min": round(float(s.luma_std.min()), 3),
-        "ssim_mean": round(float(s.ssim.mean()), 4) if n > 1 else None,
-        "ssim_min": round(float(s.ssim.min()), 4) if n > 1 else None,
-        "diff_mean": round(float(s.diff.mean()), 3) if n > 1 else None,
-        "diff_max": round(float(s.diff.max()), 3) if n > 1 else None,
-        "black_frames": int(sum(b - a + 1 for a, b in black)),
-        "uniform_frames": int(sum(b - a + 1 for a, b in uniform)),
+        "fps": r(fps),
+        "luma_mean": r(s.luma.mean()),
+        "luma_min": r(s.luma.min()),
+        "spread_min": r(s.spread.min()),
+        "ssim_mean": r(s.ssim.mean(), 4) if pair else None,
+        "ssim_min": r(s.ssim.min(), 4) if pair else None,
+        "residual_median": r(np.median(s.residual)) if pair else None,
+        "residual_max": r(s.residual.max()) if pair else None,
+        "diff_mean": r(s.diff.mean()) if pair else None,
+        "flow_median": r(np.median(s.flow)) if pair else None,
+        "texture_residual": r(np.median(s.hp_ratio)) if pair else None,
+        "clipped_max": r(s.clipped.max(), 4),
+        "sharpness_ratio": r(_quarters(s.sharpness)[1] / max(_quarters(s.sharpness)[0], 1e-6)),
     }
     return QCResult("reject" if reasons else "pass", reasons, metrics)
 
 
 def check_frames(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     """QC over (F, H, W, 3) uint8 RGB frames."""
+    return check_frames_with_series(frames, fps, cfg)[0]
+
+
+def check_frames_with_series(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> tuple[QCResult, Series]:
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
         raise ValueError(f"frames: expected (F, H, W, 3) uint8 with F >= 1, got {frames.shape} {frames.dtype}")
     t0 = time.perf_counter()
-    result = check_series(frame_series(frames, cfg.max_side), fps, cfg)
+    series = measure(frames, cfg.max_side)
+    result = verdict(series, fps, cfg)
     result.metrics["width"], result.metrics["height"] = int(frames.shape[2]), int(frames.shape[1])
     result.metrics["qc_s"] = round(time.perf_counter() - t0, 4)
-    return result
-
+    return result, series

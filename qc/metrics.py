@@ -1,7 +1,9 @@
-"""Per-frame and frame-pair metrics over (F, H, W, 3) uint8 RGB frames.
+"""Per-frame and per-pair metrics over (F, H, W, 3) uint8 RGB frames.
 
-Work is done on a grayscale copy downscaled to at most ``max_side`` pixels on its long side:
-the defects QC looks for are visible there, and the cost stays small next to rendering.
+The work is done on a copy downscaled so its long side is at most ``max_side`` pixels. Each
+frame is compared with its motion-compensated neighbour: optical flow (OpenCV DIS) from frame
+i to frame i+1, then frame i+1 warped back onto frame i. Legitimate motion (pans, zooms,
+moving objects) is explained by the flow and leaves a small residual; broken frames are not.
 """
 
 from __future__ import annotations
@@ -11,52 +13,160 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+GRID = 12  # cells per side for local (block) residuals
+BORDER = 0.06  # fraction of each side left out of residuals: flow is unreliable at the edges
+
 
 @dataclass
-class FrameSeries:
-    luma_mean: np.ndarray  # (F,) mean luma 0..255
-    luma_std: np.ndarray  # (F,) spatial standard deviation of luma
-    diff: np.ndarray  # (F-1,) mean absolute difference of consecutive frames, 0..255
-    ssim: np.ndarray  # (F-1,) SSIM of consecutive frames, -1..1
+class Series:
+    """Metric curves. Frame arrays have F entries; pair arrays F-1 (pair i = frames i, i+1)."""
+
+    scale: float  # working size / original size
+    luma: np.ndarray  # mean luma 0..255
+    spread: np.ndarray  # luma standard deviation
+    clipped: np.ndarray  # fraction of pixels with a channel >= 250
+    saturation: np.ndarray  # mean HSV saturation 0..1
+    sharpness: np.ndarray  # sharpness of the same content relative to frame 0 (see sharpness_trend)
+    diff: np.ndarray  # mean |frame[i+1] - frame[i]|, no compensation
+    flow: np.ndarray  # mean flow magnitude, working-size pixels per frame
+    residual: np.ndarray  # mean |frame[i] - warp(frame[i+1])| inside the border
+    ssim: np.ndarray  # SSIM of frame[i] and warp(frame[i+1])
+    cells: np.ndarray  # (F-1, GRID, GRID) mean residual of each cell
+    cells_dssim: np.ndarray  # (F-1, GRID, GRID) mean structural dissimilarity (1 - SSIM) of each cell
+    hp_ratio: np.ndarray  # residual high-frequency energy / frame high-frequency energy
+    luma_drift: np.ndarray  # mean of warp(frame[i+1]) - frame[i]: brightness change of the same content
+    sat_drift: np.ndarray  # the same for HSV saturation (0..1)
+
+    def as_lists(self) -> dict[str, list[float]]:
+        return {k: [round(float(x), 4) for x in v] for k, v in self.__dict__.items()
+                if isinstance(v, np.ndarray) and v.ndim == 1}
 
 
-def gray_small(frames: np.ndarray, max_side: int = 320) -> np.ndarray:
-    """(F, h, w) float32 luma, downscaled so the long side is at most ``max_side``."""
+def working_copy(frames: np.ndarray, max_side: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """(gray float32 (F, h, w), small RGB uint8 (F, h, w, 3), scale)."""
     f, h, w = frames.shape[:3]
-    scale = min(1.0, max_side / max(h, w))
-    size = (max(1, round(w * scale)), max(1, round(h * scale)))
-    out = np.empty((f, size[1], size[0]), np.float32)
+    k = int(np.ceil(max(h, w) / max_side))  # an integer factor takes OpenCV's fast area path
+    scale = 1.0 / k
+    size = (max(8, w // k), max(8, h // k))
+    small = np.empty((f, size[1], size[0], 3), np.uint8)
     for i, frame in enumerate(frames):
-        g = cv2.cvtColor(frame, cv2.COLOR_RGB2GRAY)
-        if scale < 1.0:
-            g = cv2.resize(g, size, interpolation=cv2.INTER_AREA)
-        out[i] = g
-    return out
+        small[i] = cv2.resize(frame, size, interpolation=cv2.INTER_AREA) if scale < 1.0 else frame
+    gray = np.stack([cv2.cvtColor(x, cv2.COLOR_RGB2GRAY) for x in small]).astype(np.float32)
+    return gray, small, scale
 
 
-def ssim(a: np.ndarray, b: np.ndarray) -> float:
-    """SSIM of two float32 grayscale images (0..255) with an 11x11 Gaussian window, sigma 1.5."""
+def ssim_map(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """SSIM map of two float32 grayscale images (0..255), Gaussian window sigma 1.5."""
     c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
     blur = lambda x: cv2.GaussianBlur(x, (11, 11), 1.5)  # noqa: E731
     mu_a, mu_b = blur(a), blur(b)
     var_a = blur(a * a) - mu_a * mu_a
     var_b = blur(b * b) - mu_b * mu_b
     cov = blur(a * b) - mu_a * mu_b
-    num = (2 * mu_a * mu_b + c1) * (2 * cov + c2)
-    den = (mu_a * mu_a + mu_b * mu_b + c1) * (var_a + var_b + c2)
-    return float(np.mean(num / den))
+    return ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a * mu_a + mu_b * mu_b + c1) * (var_a + var_b + c2))
 
 
-def frame_series(frames: np.ndarray, max_side: int = 320) -> FrameSeries:
-    g = gray_small(frames, max_side)
-    diff = np.array([np.mean(np.abs(g[i + 1] - g[i])) for i in range(len(g) - 1)], np.float64)
-    ss = np.array([ssim(g[i], g[i + 1]) for i in range(len(g) - 1)], np.float64)
-    return FrameSeries(
-        luma_mean=g.mean(axis=(1, 2)).astype(np.float64),
-        luma_std=g.std(axis=(1, 2)).astype(np.float64),
-        diff=diff,
-        ssim=ss,
-    )
+class FlowEstimator:
+    """DIS optical flow, reused across pairs (creating it is not free)."""
+
+    def __init__(self, preset: int = cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST):
+        self.dis = cv2.DISOpticalFlow_create(preset)
+
+    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Flow (h, w, 2) such that a(x) ~ b(x + flow(x)); a, b uint8 grayscale."""
+        return self.dis.calc(a, b, None)
+
+
+def _grid(h: int, w: int) -> np.ndarray:
+    grid = _GRIDS.get((h, w))
+    if grid is None:
+        gx, gy = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
+        grid = np.dstack([gx, gy])
+        if len(_GRIDS) > 8:
+            _GRIDS.clear()
+        _GRIDS[(h, w)] = grid
+    return grid
+
+
+_GRIDS: dict = {}
+
+
+def warp(img: np.ndarray, flow: np.ndarray) -> np.ndarray:
+    """Sample ``img`` at x + flow(x) (backward warp)."""
+    m = _grid(*flow.shape[:2]) + flow
+    return cv2.remap(img, m, None, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+
+
+def _highpass(x: np.ndarray) -> np.ndarray:
+    return x - cv2.GaussianBlur(x, (0, 0), 1.5)
+
+
+def sharpness_trend(frames: np.ndarray, dx: np.ndarray, dy: np.ndarray, scale: float, samples: int = 9) -> np.ndarray:
+    """Sharpness of the same content over time, at full resolution (blur is a full-resolution
+    property): mean |Laplacian| of a central window in sampled frames, the window moved along
+    with the camera (the summed median flow), as a ratio to the first sample. A pan onto a
+    smoother part of the scene keeps 1.0; a clip collapsing into blur falls towards 0."""
+    n, h, w = frames.shape[:3]
+    idx = np.unique(np.linspace(0, n - 1, min(n, samples)).round().astype(int))
+    px, py = np.concatenate([[0], np.cumsum(dx)]) / scale, np.concatenate([[0], np.cumsum(dy)]) / scale
+    lap = [np.abs(cv2.Laplacian(cv2.cvtColor(frames[i], cv2.COLOR_RGB2GRAY), cv2.CV_32F)) for i in idx]
+    my, mx = h // 4, w // 4
+    out = [1.0]
+    for k in range(1, len(idx)):
+        a, b = idx[k - 1], idx[k]
+        sy, sx = int(round(py[b] - py[a])), int(round(px[b] - px[a]))
+        sy, sx = int(np.clip(sy, -my + 1, my - 1)), int(np.clip(sx, -mx + 1, mx - 1))
+        ea = lap[k - 1][my : h - my, mx : w - mx].mean()
+        eb = lap[k][my + sy : h - my + sy, mx + sx : w - mx + sx].mean()
+        out.append(out[-1] * (eb + 1e-3) / (ea + 1e-3))
+    return np.interp(np.arange(n), idx, out)
+
+
+def measure(frames: np.ndarray, max_side: int = 320) -> Series:
+    gray, small, scale = working_copy(frames, max_side)
+    n, h, w = gray.shape
+    by, bx = max(1, int(h * BORDER)), max(1, int(w * BORDER))
+    inner = (slice(by, h - by), slice(bx, w - bx))
+
+    hsv = [cv2.cvtColor(x, cv2.COLOR_RGB2HSV) for x in small]
+    luma = gray.mean(axis=(1, 2))
+    spread = gray.std(axis=(1, 2))
+    clipped = np.array([(x[..., 2] >= 250).mean() for x in hsv])  # HSV value = max(R, G, B)
+    saturation = np.array([x[..., 1].mean() / 255.0 for x in hsv])
+
+    m = max(n - 1, 0)
+    diff, flow_m, residual, ssim = (np.zeros(m) for _ in range(4))
+    hp_ratio, luma_drift, sat_drift, flow_dx, flow_dy = (np.zeros(m) for _ in range(5))
+    cells = np.zeros((m, GRID, GRID), np.float32)
+    cells_dssim = np.zeros((m, GRID, GRID), np.float32)
+    sat = [x[..., 1].astype(np.float32) / 255.0 for x in hsv]
+    flow_of = FlowEstimator()
+    g8 = np.clip(gray, 0, 255).astype(np.uint8)
+    hp = [_highpass(g) for g in gray]
+    for i in range(m):
+        a, b = gray[i], gray[i + 1]
+        fl = flow_of(g8[i], g8[i + 1])
+        wb = warp(b, fl)
+        r = np.abs(a - wb)[inner]
+        diff[i] = np.abs(b - a)[inner].mean()
+        flow_m[i] = np.sqrt((fl[inner] ** 2).sum(axis=-1)).mean()
+        # content at x in frame i is at x + flow in frame i+1
+        sub = fl[inner][::4, ::4]
+        flow_dx[i], flow_dy[i] = np.median(sub[..., 0]), np.median(sub[..., 1])
+        residual[i] = r.mean()
+        sm = ssim_map(a, wb)
+        ssim[i] = sm[inner].mean()
+        cells_dssim[i] = cv2.resize(1 - sm[inner], (GRID, GRID), interpolation=cv2.INTER_AREA)
+        cells[i] = cv2.resize(r, (GRID, GRID), interpolation=cv2.INTER_AREA)
+        luma_drift[i] = (wb - a)[inner].mean()
+        sat_drift[i] = (warp(sat[i + 1], fl) - sat[i])[inner].mean()
+        hp_w = warp(hp[i + 1], fl)
+        hp_ratio[i] = np.abs(hp[i] - hp_w)[inner].mean() / (
+            0.5 * (np.abs(hp[i])[inner].mean() + np.abs(hp_w)[inner].mean()) + 1e-3
+        )
+    sharpness = sharpness_trend(frames, flow_dx, flow_dy, scale)
+    return Series(scale, luma, spread, clipped, saturation, sharpness, diff, flow_m, residual, ssim,
+                  cells, cells_dssim, hp_ratio, luma_drift, sat_drift)
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

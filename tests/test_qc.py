@@ -1,101 +1,102 @@
-"""QC, first version, on synthetic good and broken clips written as real H.264 files."""
+"""QC on labelled synthetic clips (real photographs, real H.264 files through the CLI)."""
 
 from __future__ import annotations
 
 import json
 
-import cv2
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from skimage import data
 
 from jobs.cli import main
 from pipeline.video import encode_h264
-from qc import check_frames
+from qc import QCConfig, check_frames
+from qc.bench import confusion
+from qc.synth import DEFECTS, apply_defect, camera_move, photo
 
 
-def photo(h=144, w=256):
-    img = data.astronaut()  # a real photograph shipped with scikit-image
-    return cv2.resize(img, (w * 2, h * 2), interpolation=cv2.INTER_AREA)
+def pan(n=48, size=(256, 144), seed=0):
+    return camera_move(photo("astronaut"), "pan", n, size, np.random.default_rng(seed))
 
 
-def pan(n=48, step=3, h=144, w=256):
-    big = photo(h, w)
-    return np.stack([big[h // 2 : h // 2 + h, i * step : i * step + w] for i in range(n)])
+def test_labelled_set_meets_targets():
+    """At least 95% of broken clips caught, at most 5% of good clips rejected (seed 7: not the
+    seeds the thresholds were looked at with)."""
+    conf = confusion(seeds=(7,), per_motion=2)
+    assert conf["good_false_reject"] <= 0.05, conf["misses"]
+    assert conf["broken_caught"] >= 0.95, conf["misses"]
 
 
-def good_clips():
+@pytest.mark.parametrize("defect", DEFECTS)
+def test_each_defect_is_named_in_its_reason(defect):
+    rng = np.random.default_rng(3)
     base = pan()
-    static = np.repeat(base[:1], 48, axis=0)  # a static product shot is legitimate
-    rng = np.random.default_rng(1)
-    noisy = np.clip(base.astype(int) + rng.normal(0, 2, base.shape), 0, 255).astype(np.uint8)
-    return {"pan": base, "static": static, "sensor-noise": noisy}
-
-
-def bad_clips():
-    base = pan()
-    black = base.copy()
-    black[20:26] = 0
-    frozen = base.copy()
-    frozen[10:34] = frozen[10]
-    flicker = base.astype(int)
-    flicker[::2] += 40
-    garbage = base.copy()
-    garbage[30] = np.random.default_rng(0).integers(0, 256, garbage[30].shape, dtype=np.uint8)
-    flat = np.full_like(base, 128)
-    return {
-        "black": (black, "black"),
-        "frozen": (frozen, "frozen"),
-        "flicker": (np.clip(flicker, 0, 255).astype(np.uint8), "flicker"),
-        "garbage": (garbage, "jump"),
-        "flat": (flat, "uniform"),
-    }
-
-
-@pytest.mark.parametrize("name", list(good_clips()))
-def test_good_clips_pass(name):
-    res = check_frames(good_clips()[name], 24)
-    assert res.verdict == "pass", res.reasons
-
-
-@pytest.mark.parametrize("name", list(bad_clips()))
-def test_broken_clips_rejected_with_a_reason_naming_frames(name):
-    frames, code = bad_clips()[name]
+    other = camera_move(photo("coffee"), "pan", 48, (256, 144), np.random.default_rng(9))  # another scene
+    frames = apply_defect(base, defect, 2, rng, other)
     res = check_frames(frames, 24)
     assert res.verdict == "reject"
-    assert any(r.startswith(f"{code}: frame") for r in res.reasons), res.reasons
+    expected = {"garbage": ("garbage", "jump"), "cut": ("jump",), "flat": ("flat",)}.get(defect, (defect,))
+    assert any(r.split(":")[0] in expected for r in res.reasons), res.reasons
 
 
-def test_reason_names_the_frame_range_and_value():
-    frames, _ = bad_clips()["black"]
-    res = check_frames(frames, 24)
-    assert "black: frames 20-25 (mean luma 0.0 < 16)" in res.reasons
-    frames, _ = bad_clips()["frozen"]
-    assert "frozen: frames 10-33 (24 identical frames, 1.00 s >= 0.5 s in a moving clip)" in check_frames(frames, 24).reasons
+def test_fast_pan_zoom_and_static_shot_pass():
+    rng = np.random.default_rng(4)
+    for motion in ("pan", "zoom", "static", "pan+object"):
+        frames = camera_move(photo("coffee"), motion, 48, (256, 144), rng)
+        assert check_frames(frames, 24).verdict == "pass", motion
+    fast = np.stack([np.roll(photo("astronaut")[:144, :256], 9 * i, axis=1) for i in range(24)])  # 9 px/frame
+    assert check_frames(fast, 24).verdict == "pass"
+
+
+def test_reasons_name_frames_and_values():
+    frames = pan()
+    frames[20:26] = 0
+    assert "black: frames 20-25 (mean luma 0.0 < 12)" in check_frames(frames, 24).reasons
+    frames = pan()
+    frames[10:34] = frames[10]
+    reasons = check_frames(frames, 24).reasons
+    assert any(r.startswith("frozen: frames 10-33 (24 frames, 1.00 s, in a clip moving") for r in reasons), reasons
+
+
+def test_config_from_toml_and_overrides(tmp_path):
+    (tmp_path / "qc.toml").write_text("[qc]\nblack_luma = 30\nflicker_pairs = 5\n")
+    cfg = QCConfig.load(tmp_path / "qc.toml", {"min_pair_ssim": "0.4"})
+    assert (cfg.black_luma, cfg.flicker_pairs, cfg.min_pair_ssim) == (30.0, 5, 0.4)
+    (tmp_path / "bad.toml").write_text("blak_luma = 3\n")
+    with pytest.raises(ValueError, match="unknown QC setting 'blak_luma'; known: max_side, black_luma"):
+        QCConfig.load(tmp_path / "bad.toml")
+    frames = pan()
+    frames[20:26] = 20  # dark but not black by default
+    assert check_frames(frames, 24).verdict == "pass" or "black" not in " ".join(check_frames(frames, 24).reasons)
+    assert any(r.startswith("black") for r in check_frames(frames, 24, cfg).reasons)
 
 
 def test_qc_cli_json_lines_on_real_h264_files(tmp_path):
-    paths = {}
-    for name, frames in good_clips().items():
-        paths[name] = tmp_path / f"good-{name}.mp4"
-        encode_h264(frames, 24, paths[name])
-    for name, (frames, _) in bad_clips().items():
-        paths[name] = tmp_path / f"bad-{name}.mp4"
-        encode_h264(frames, 24, paths[name])
+    good = pan()
+    bad = good.copy()
+    bad[20:26] = 0
+    encode_h264(good, 24, tmp_path / "good.mp4")
+    encode_h264(bad, 24, tmp_path / "bad.mp4")
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
-    args = [str(p) for p in paths.values()] + [str(tmp_path / "broken.mp4")]
+    args = [str(tmp_path / n) for n in ("good.mp4", "bad.mp4", "broken.mp4")]
     res = CliRunner().invoke(main, ["qc", "--json", *args])
     assert res.exit_code == 1  # one unreadable file
     lines = [json.loads(line) for line in res.output.splitlines()]
     assert [line["path"] for line in lines] == args
-    for line in lines:
-        assert set(line) == {"path", "verdict", "reasons", "metrics"}
-        assert line["verdict"] in ("pass", "reject")
-        name = line["path"].rsplit("/", 1)[-1]
-        if name.startswith("good-"):
-            assert line["verdict"] == "pass", line
-            assert line["metrics"]["frames"] == 48 and line["metrics"]["fps"] == 24
-        else:
-            assert line["verdict"] == "reject", line
-    assert lines[-1]["reasons"][0].startswith("unreadable: ")
+    assert [set(line) for line in lines] == [{"path", "verdict", "reasons", "metrics"}] * 3
+    assert [line["verdict"] for line in lines] == ["pass", "reject", "reject"]
+    assert lines[0]["metrics"]["frames"] == 48 and lines[0]["metrics"]["fps"] == 24
+    assert lines[1]["reasons"][0].startswith("black: frames 20-25")
+    assert lines[2]["reasons"][0].startswith("unreadable: ")
+
+
+def test_qc_cli_explain_and_contact_sheet(tmp_path):
+    encode_h264(pan(), 24, tmp_path / "c.mp4")
+    res = CliRunner().invoke(main, ["qc", str(tmp_path / "c.mp4"), "--explain", "--sheet"])
+    assert res.exit_code == 0, res.output
+    assert "pair       time  flow  residual  comp.SSIM" in res.output
+    assert len([line for line in res.output.splitlines() if line.strip()[:1].isdigit()]) == 47
+    assert (tmp_path / "c.mp4.sheet.png").read_bytes()[:4] == b"\x89PNG"
+    res = CliRunner().invoke(main, ["qc", str(tmp_path / "c.mp4"), "--json", "--explain"])
+    rec = json.loads(res.output)
+    assert len(rec["series"]["ssim"]) == 47 and len(rec["series"]["luma"]) == 48

@@ -60,7 +60,7 @@ def test_run_end_to_end(db_url, tmp_path):
         assert (a.number, a.tier, a.steps, a.seed, a.model, a.sampler) == (1, "fast", 6, job.seed, "tiny", "lightning")
         assert a.raw_key is None and a.error is None
         folder = out / "ads" / str(job.id)
-        assert sorted(p.name for p in folder.iterdir()) == ["a1.jpg", "a1.json", "a1.mp4"]  # raw frames removed
+        assert sorted(p.name for p in folder.iterdir()) == ["a1.jpg", "a1.json", "a1.mp4", "a1.sheet.png"]  # raw frames removed
         assert a.location == str(folder / "a1.mp4")
 
         info = probe(folder / "a1.mp4")
@@ -74,7 +74,8 @@ def test_run_end_to_end(db_url, tmp_path):
         assert side["frames"] == info["frames"] and side["fps"] == job.fps and side["fps_rendered"] == 24
         assert side["qc"]["verdict"] == a.verdict and side["qc"]["reasons"] == a.reasons
         assert side["files"] == {"clip": f"ads/{job.id}/a1.mp4", "poster": f"ads/{job.id}/a1.jpg",
-                                 "sidecar": f"ads/{job.id}/a1.json"}
+                                 "sidecar": f"ads/{job.id}/a1.json", "sheet": f"ads/{job.id}/a1.sheet.png"}
+        assert (folder / "a1.sheet.png").read_bytes()[:4] == b"\x89PNG"
         for k in ("text_s", "denoise_s", "decode_s", "render_s", "retime_s", "h264_s", "qc_s", "post_s"):
             assert side["timings"][k] >= 0
         assert (folder / "a1.jpg").read_bytes()[:2] == b"\xff\xd8"
@@ -121,11 +122,11 @@ def test_resume_after_crash_finishes_every_job_once(sqlite_url, tmp_path):
         assert [(a.number, a.state) for a in by_job[c.job_id]][0] == (1, "failed")
         assert by_job[c.job_id][1].state in ("passed", "rejected")
         files = sorted(p.name for p in (tmp_path / "out" / "b" / str(c.job_id)).iterdir())
-        assert files == ["a2.jpg", "a2.json", "a2.mp4"]
+        assert files == ["a2.jpg", "a2.json", "a2.mp4", "a2.sheet.png"]
     for c in rendered:  # post-processed from the stored frames, not rendered again
         assert [a.number for a in by_job[c.job_id]] == [1]
         files = sorted(p.name for p in (tmp_path / "out" / "b" / str(c.job_id)).iterdir())
-        assert files == ["a1.jpg", "a1.json", "a1.mp4"]
+        assert files == ["a1.jpg", "a1.json", "a1.mp4", "a1.sheet.png"]
     db.dispose()
 
 
