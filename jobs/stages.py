@@ -26,7 +26,7 @@ from jobs.models import Attempt, Batch, Job
 from jobs.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from pipeline.models import model_info
 from pipeline.render import ClipRequest, GroupSettings, Renderer
-from pipeline.retime import retime_linear
+from pipeline.interpolate import interpolate
 from pipeline.video import decode, encode_h264, poster_jpeg
 from qc import QCConfig, check_frames_with_series
 from qc.report import contact_sheet
@@ -193,7 +193,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         t0 = time.perf_counter()
         raw = np.load(io.BytesIO(storage.get_bytes(a.raw_key)), allow_pickle=False)
         fps_in = float(a.timings.get("fps_in", 24))
-        frames = retime_linear(raw, fps_in, job.fps)
+        frames = interpolate(raw, fps_in, job.fps)
         t1 = time.perf_counter()
         fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-")
         os.close(fd)

@@ -8,7 +8,8 @@ from collections import Counter
 import numpy as np
 
 from qc.check import QCConfig, check_frames
-from qc.synth import DEFECTS, camera_move, make_set, photo
+from pipeline.synthetic import camera_move, photo
+from qc.synth import DEFECTS, make_set
 
 
 def confusion(cfg: QCConfig = QCConfig(), seeds=(0, 1), size=(320, 192), per_motion: int = 3) -> dict:

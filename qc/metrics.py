@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
+from pipeline.flow import FlowEstimator, warp
+
 GRID = 12  # cells per side for local (block) residuals
 BORDER = 0.06  # fraction of each side left out of residuals: flow is unreliable at the edges
 
@@ -64,37 +66,6 @@ def ssim_map(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     var_b = blur(b * b) - mu_b * mu_b
     cov = blur(a * b) - mu_a * mu_b
     return ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a * mu_a + mu_b * mu_b + c1) * (var_a + var_b + c2))
-
-
-class FlowEstimator:
-    """DIS optical flow, reused across pairs (creating it is not free)."""
-
-    def __init__(self, preset: int = cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST):
-        self.dis = cv2.DISOpticalFlow_create(preset)
-
-    def __call__(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Flow (h, w, 2) such that a(x) ~ b(x + flow(x)); a, b uint8 grayscale."""
-        return self.dis.calc(a, b, None)
-
-
-def _grid(h: int, w: int) -> np.ndarray:
-    grid = _GRIDS.get((h, w))
-    if grid is None:
-        gx, gy = np.meshgrid(np.arange(w, dtype=np.float32), np.arange(h, dtype=np.float32))
-        grid = np.dstack([gx, gy])
-        if len(_GRIDS) > 8:
-            _GRIDS.clear()
-        _GRIDS[(h, w)] = grid
-    return grid
-
-
-_GRIDS: dict = {}
-
-
-def warp(img: np.ndarray, flow: np.ndarray) -> np.ndarray:
-    """Sample ``img`` at x + flow(x) (backward warp)."""
-    m = _grid(*flow.shape[:2]) + flow
-    return cv2.remap(img, m, None, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
 
 
 def _highpass(x: np.ndarray) -> np.ndarray:

@@ -12,7 +12,8 @@ from jobs.cli import main
 from pipeline.video import encode_h264
 from qc import QCConfig, check_frames
 from qc.bench import confusion
-from qc.synth import DEFECTS, apply_defect, camera_move, photo
+from pipeline.synthetic import camera_move, photo
+from qc.synth import DEFECTS, apply_defect
 
 
 def pan(n=48, size=(256, 144), seed=0):
