@@ -212,6 +212,9 @@ def batch_status(db: Database, batch_id: str) -> dict:
                         }
                         for a in atts
                     ],
+                    "passed_on_retry": j.state == JobState.PASSED.value and len(atts) > 1,
+                    "out_of_attempts": j.state in (JobState.REJECTED.value, JobState.FAILED.value)
+                    and j.attempts_made >= batch.max_attempts,
                     "verdict": last.verdict if last else None,
                     "reasons": (last.reasons or []) if last else [],
                     "location": last.location if last else None,
@@ -220,6 +223,9 @@ def batch_status(db: Database, batch_id: str) -> dict:
             )
         states = {st.value: sum(1 for j in jobs if j.state == st.value) for st in JobState}
         return {
+            "max_attempts": batch.max_attempts,
+            "passed_on_retry": sum(r["passed_on_retry"] for r in rows),
+            "out_of_attempts": sum(r["out_of_attempts"] for r in rows),
             "batch": batch.id,
             "source": batch.source,
             "model": batch.model,

@@ -194,6 +194,10 @@ def run(file, resume, group_size, device, opts: SubmitOptions):
                 progress.update(steps_t, completed=done)
 
             def rendered(self, n):
+                task = progress.tasks[render_t]
+                if task.completed + n > (task.total or 0):  # QC retries render more than once
+                    progress.update(render_t, total=task.completed + n)
+                    progress.update(qc_t, total=task.completed + n)
                 progress.advance(render_t, n)
 
             def checked(self, verdict):
@@ -219,8 +223,8 @@ def _summary(st: dict, wall: float) -> None:
     t = Table(title=f"batch {st['batch']}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("passed", f"[green]{s['passed']}[/]")
-    t.add_row("rejected by QC", f"[yellow]{s['rejected']}[/]")
+    t.add_row("passed", f"[green]{s['passed']}[/]" + (f" ({st['passed_on_retry']} on a retry)" if st["passed_on_retry"] else ""))
+    t.add_row("rejected by QC", f"[yellow]{s['rejected']}[/]" + (f" (out of attempts: {st['max_attempts']} each)" if s["rejected"] else ""))
     t.add_row("failed", f"[red]{s['failed']}[/]")
     if s["queued"] + s["rendering"] + s["post"]:
         t.add_row("still open", str(s["queued"] + s["rendering"] + s["post"]))
@@ -291,11 +295,18 @@ def status(batch, as_json):
             why += ": " + "; ".join(r["reasons"])
         elif r["error"]:
             why = r["error"]
-        t.add_row(str(r["job"]), r["id"] or "", str(r["line"]), r["state"], str(len(r["attempts"])), r["tier"],
-                  str(r["seed"]), why, r["location"] or "")
+        if r["passed_on_retry"]:
+            why = f"passed on retry {len(r['attempts'])} (" + "; ".join(
+                f"a{a['number']} {a['tier']} {a['verdict'] or a['state']}" for a in r["attempts"]) + ")"
+        elif r["out_of_attempts"]:
+            why = f"out of attempts ({len(r['attempts'])}/{st['max_attempts']}): " + why
+        last = r["attempts"][-1] if r["attempts"] else None
+        t.add_row(str(r["job"]), r["id"] or "", str(r["line"]), r["state"], str(len(r["attempts"])),
+                  last["tier"] if last else r["tier"], str(last["seed"] if last else r["seed"]), why, r["location"] or "")
     out.print(t)
     s = st["states"]
-    out.print(" ".join(f"{k}={v}" for k, v in s.items() if v))
+    out.print(" ".join(f"{k}={v}" for k, v in s.items() if v)
+              + f"; passed on a retry: {st['passed_on_retry']}; out of attempts: {st['out_of_attempts']}")
 
 
 def _qc_config(config: str | None, sets: tuple[str, ...]):

@@ -7,7 +7,7 @@ while the next group renders. Both call the same stage functions a Celery worker
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -63,7 +63,11 @@ def run_batch(
         while True:
             claimed = claim_group(ctx.db, me, batch_id, group_size)
             if not claimed:
-                break
+                running = [f for f in futures if not f.done()]
+                if not running:
+                    break
+                wait(running, return_when=FIRST_COMPLETED)  # a QC reject may queue a retry
+                continue
             stats.groups += 1
             ev.group_started(len(claimed), claimed[0].steps)
             renew_lease(ctx.db, [c.job_id for c in claimed], me)

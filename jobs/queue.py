@@ -3,6 +3,7 @@ jobs whose worker is gone. Every claim is a compare-and-set move, so a job goes 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import uuid
@@ -38,6 +39,14 @@ def _for_update(stmt, session):
     if session.bind.dialect.name == "postgresql":
         return stmt.with_for_update(skip_locked=True, of=Job)
     return stmt  # SQLite: BEGIN IMMEDIATE already serialises writers
+
+
+def attempt_seed(job_seed: int, number: int) -> int:
+    """Attempt 1 uses the job's seed; every later attempt a new seed derived from it."""
+    if number == 1:
+        return job_seed
+    digest = hashlib.sha256(f"{job_seed}:{number}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
 
 
 def claim_group(
@@ -95,7 +104,7 @@ def claim_group(
                 state=AttemptState.RENDERING.value,
                 tier=j.tier,
                 steps=TIERS[j.tier].steps,
-                seed=j.seed,
+                seed=attempt_seed(j.seed, j.attempts_made + 1),
                 model=b.model,
                 sampler=b.sampler,
                 guidance=b.guidance,

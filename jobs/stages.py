@@ -33,6 +33,7 @@ from qc.report import contact_sheet
 from storage import Storage, open_storage
 
 log = logging.getLogger("clipmill.stages")
+RETRY_TIER = "quality"  # a clip QC rejected is rendered again at this tier
 
 
 def now() -> datetime:
@@ -231,6 +232,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         return None
 
     passed = result.verdict == "pass"
+    retry = not passed and job.attempts_made < batch.max_attempts
     try:
         with ctx.db.session() as s, s.begin():
             move_attempt(
@@ -239,10 +241,13 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
                 clip_key=files["clip"], poster_key=files["poster"], sidecar_key=files["sidecar"],
                 location=location, timings=timings, finished_at=now(), raw_key=None,
             )
-            move_job(
-                s, job.id, JobState.POST, JobState.PASSED if passed else JobState.REJECTED,
-                lease_owner=None, lease_expires_at=None,
-            )
+            if retry:  # escalate: render again at the quality tier, with a new seed (see queue.attempt_seed)
+                move_job(s, job.id, JobState.POST, JobState.QUEUED, tier=RETRY_TIER, lease_owner=None, lease_expires_at=None)
+            else:
+                move_job(
+                    s, job.id, JobState.POST, JobState.PASSED if passed else JobState.REJECTED,
+                    lease_owner=None, lease_expires_at=None,
+                )
     except MoveConflict:
         log.warning("attempt %s: moved by another process during post-processing", attempt_id)
         return None

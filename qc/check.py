@@ -157,28 +157,38 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     # 2. residual spikes: garbage frames (bad on both sides) or a cut (one bad pair)
     med = float(np.median(s.residual))
     spike = (s.residual > max(cfg.spike_min, cfg.spike_factor * med)) | (s.ssim < cfg.min_pair_ssim)
-    # pairs that touch a black or flat frame are already explained
+    # pairs that touch a black or flat frame are already explained; a clip bad almost
+    # throughout is not a clip with bad frames (boiling, unstable: see 7)
     spike &= ~(flat_frames[:-1] | flat_frames[1:])
+    if spike.mean() > 0.5:
+        spike[:] = False
     pooled = pool2(s.cells)
     concentrated = pooled.reshape(len(pooled), -1).max(axis=1) > cfg.block_concentration * (s.residual + 1.0)
+    limit = max(cfg.spike_min, cfg.spike_factor * med)
+    found: dict[str, list[tuple[int, int]]] = {"block": [], "jump": [], "garbage": []}
     for a, b in runs(spike):
         if concentrated[a : b + 1].all():
-            reasons.append(
-                f"block: frame pairs {a}-{b + 1} (one region's compensated residual is "
-                f"{pooled[a].max():.1f} against {s.residual[a]:.1f} for the whole frame)"
-            )
-        elif a == b and 0 < a < n - 2 and not spike[a - 1] and not spike[a + 1]:
-            reasons.append(
-                f"jump: frames {a}-{a + 1} (compensated residual {s.residual[a]:.1f}, {s.residual[a] / max(med, 0.1):.0f}x "
-                f"the clip's median; SSIM {s.ssim[a]:.2f}): a cut or scene change"
-            )
-        elif a == b:
-            reasons.append(f"garbage: frame pair {a}-{a + 1} (compensated residual {s.residual[a]:.1f}, SSIM {s.ssim[a]:.2f})")
+            found["block"].append((a, b + 1))
+        elif a == b and 0 < a < n - 2:
+            found["jump"].append((a, a + 1))  # one bad pair between two good stretches: a cut
         else:
-            reasons.append(
-                f"garbage: frames {_ranges([(a + 1, b)])} (compensated residual up to {s.residual[a:b + 1].max():.1f} "
-                f"> {max(cfg.spike_min, cfg.spike_factor * med):.1f}; SSIM down to {s.ssim[a:b + 1].min():.2f})"
-            )
+            found["garbage"].append((a + 1, b) if b > a else (a, a + 1))
+    why = {  # which test made each kind of spike, with its worst value
+        k: (f"compensated residual up to {max(s.residual[x:y].max() for x, y in v):.1f} > {limit:.1f}"
+            if max(s.residual[x:y].max() for x, y in v) > limit
+            else f"compensated SSIM down to {min(s.ssim[x:y].min() for x, y in v):.2f} < {cfg.min_pair_ssim:g}")
+        for k, v in ((k, [(x, max(y, x + 1)) for x, y in v]) for k, v in found.items()) if v
+    }
+    if found["block"]:
+        i = max(range(len(pooled)), key=lambda j: pooled[j].max() if spike[j] else -1)
+        reasons.append(
+            f"block: frames {_ranges(found['block'])} (one region's compensated residual {pooled[i].max():.1f} "
+            f"against {s.residual[i]:.1f} for the whole frame)"
+        )
+    if found["jump"]:
+        reasons.append(f"jump: frames {_ranges(found['jump'])} ({why['jump']}): a cut or scene change")
+    if found["garbage"]:
+        reasons.append(f"garbage: frames {_ranges(found['garbage'])} ({why['garbage']})")
 
     # 3. block corruption: a region's residual jumps at once above its own recent past (onset)
     #    or its near future (end), while the frame as a whole stays explained
