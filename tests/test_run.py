@@ -40,7 +40,7 @@ def test_run_end_to_end(db_url, tmp_path):
     (tmp_path / "ads.csv").write_text(BATCH)
     out = tmp_path / "out"
     proc = clipmill(
-        "run", "ads.csv", "--batch", "ads", "--out", str(out), "--size", "64", "--frames", "8",
+        "run", "ads.csv", "--batch", "ads", "--out", str(out), "--size", "64", "--frames", "8", "--max-attempts", "1",
         "--template", "{dish} on a table in {store}, {camera}", db_url=db_url, cwd=tmp_path,
     )
     assert "random weights: its clips are noise" in proc.stderr  # the tiny-model warning
@@ -124,9 +124,40 @@ def test_resume_after_crash_finishes_every_job_once(sqlite_url, tmp_path):
         files = sorted(p.name for p in (tmp_path / "out" / "b" / str(c.job_id)).iterdir())
         assert files == ["a2.jpg", "a2.json", "a2.mp4", "a2.sheet.png"]
     for c in rendered:  # post-processed from the stored frames, not rendered again
-        assert [a.number for a in by_job[c.job_id]] == [1]
+        first = by_job[c.job_id][0]
+        assert (first.number, first.group_id) == (1, by_job[rendered[0].job_id][0].group_id)
+        assert first.state in ("passed", "rejected") and first.verdict is not None
         files = sorted(p.name for p in (tmp_path / "out" / "b" / str(c.job_id)).iterdir())
-        assert files == ["a1.jpg", "a1.json", "a1.mp4", "a1.sheet.png"]
+        assert files[:4] == ["a1.jpg", "a1.json", "a1.mp4", "a1.sheet.png"]
+        assert len(by_job[c.job_id]) == (1 if first.state == "passed" else 2)  # a QC reject is retried once
+    db.dispose()
+
+
+def test_qc_reject_is_retried_at_quality_tier_with_a_new_seed(sqlite_url, tmp_path):
+    """The tiny model renders noise, which QC rejects: each job gets attempt 1 at its own tier
+    and seed, then attempt 2 at `quality` with a new seed; both are kept; then it is out of attempts."""
+    from jobs.queue import attempt_seed
+
+    (tmp_path / "r.csv").write_text('prompt,seed,tier\n"a bowl of ramen, orbit",7,fast\n')
+    clipmill("run", "r.csv", "--batch", "r", "--out", str(tmp_path / "out"), "--size", "64", "--frames", "8",
+             "--max-attempts", "2", db_url=sqlite_url, cwd=tmp_path)
+    db = Database(sqlite_url)
+    with db.session() as s:
+        job = s.scalars(select(Job)).one()
+        attempts = s.scalars(select(Attempt).order_by(Attempt.number)).all()
+    assert job.state == "rejected" and job.attempts_made == 2
+    assert [(a.number, a.tier, a.steps, a.seed, a.state) for a in attempts] == [
+        (1, "fast", 6, 7, "rejected"),
+        (2, "quality", 8, attempt_seed(7, 2), "rejected"),
+    ]
+    assert attempt_seed(7, 2) != 7 and all(a.reasons for a in attempts)
+    assert sorted(p.name for p in (tmp_path / "out" / "r" / str(job.id)).iterdir()) == [
+        "a1.jpg", "a1.json", "a1.mp4", "a1.sheet.png", "a2.jpg", "a2.json", "a2.mp4", "a2.sheet.png"]
+    st = json.loads(clipmill("status", "r", "--json", db_url=sqlite_url, cwd=tmp_path).stdout)
+    assert st["out_of_attempts"] == 1 and st["passed_on_retry"] == 0
+    assert st["rows"][0]["out_of_attempts"] is True
+    text = clipmill("status", "r", db_url=sqlite_url, cwd=tmp_path).stdout
+    assert "out of attempts (2/2)" in text
     db.dispose()
 
 
