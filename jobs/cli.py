@@ -138,6 +138,32 @@ def main(verbose: int) -> None:
     logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
 
 
+def _qc_config(config: str | None, sets: tuple[str, ...]):
+    from qc import QCConfig
+
+    overrides = {}
+    for item in sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        overrides[key.strip()] = value.strip()
+    try:
+        return QCConfig.load(config, overrides)
+    except ValueError as e:
+        raise click.ClickException(str(e))
+
+
+def qc_config_options(fn):
+    @click.option("--qc-config", "qc_config", type=click.Path(dir_okay=False), default=None,
+                  envvar="CLIPMILL_QC_CONFIG", help="TOML file of QC thresholds (keys of qc.QCConfig).")
+    @click.option("--set", "qc_set", multiple=True, metavar="KEY=VALUE", help="Override one QC threshold; repeatable.")
+    @functools.wraps(fn)
+    def wrapper(*args, qc_config, qc_set, **kw):
+        return fn(*args, qc_cfg=_qc_config(qc_config, qc_set), **kw)
+
+    return wrapper
+
+
 @main.command()
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--resume", "resume", default=None, metavar="BATCH",
@@ -147,7 +173,8 @@ def main(verbose: int) -> None:
 @click.option("--device", default=None, help="torch device [default: cuda if available, else cpu].")
 @batch_options
 @submit_options
-def run(file, resume, group_size, device, opts: SubmitOptions):
+@qc_config_options
+def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg):
     """Submit FILE and render, post-process and QC it in this process.
 
     Exits 0 when the batch completed, even if QC rejected clips; 1 on bad input.
@@ -175,7 +202,7 @@ def run(file, resume, group_size, device, opts: SubmitOptions):
     if resume is not None and info["model"] == TINY:
         err.print(f"[yellow]warning:[/] {TINY_WARNING}", soft_wrap=True)
     device = device or _default_device()
-    ctx = WorkerContext(db, device=device)
+    ctx = WorkerContext(db, device=device, qc_config=qc_cfg)
     todo = sum(info["states"][s] for s in ("queued", "rendering", "post"))
     t0 = time.perf_counter()
     with Progress(
@@ -307,32 +334,6 @@ def status(batch, as_json):
     s = st["states"]
     out.print(" ".join(f"{k}={v}" for k, v in s.items() if v)
               + f"; passed on a retry: {st['passed_on_retry']}; out of attempts: {st['out_of_attempts']}")
-
-
-def _qc_config(config: str | None, sets: tuple[str, ...]):
-    from qc import QCConfig
-
-    overrides = {}
-    for item in sets:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
-        overrides[key.strip()] = value.strip()
-    try:
-        return QCConfig.load(config, overrides)
-    except ValueError as e:
-        raise click.ClickException(str(e))
-
-
-def qc_config_options(fn):
-    @click.option("--qc-config", "qc_config", type=click.Path(dir_okay=False), default=None,
-                  envvar="CLIPMILL_QC_CONFIG", help="TOML file of QC thresholds (keys of qc.QCConfig).")
-    @click.option("--set", "qc_set", multiple=True, metavar="KEY=VALUE", help="Override one QC threshold; repeatable.")
-    @functools.wraps(fn)
-    def wrapper(*args, qc_config, qc_set, **kw):
-        return fn(*args, qc_cfg=_qc_config(qc_config, qc_set), **kw)
-
-    return wrapper
 
 
 @main.command()

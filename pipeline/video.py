@@ -72,12 +72,39 @@ def decode(path: str | Path) -> tuple[np.ndarray, float]:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"  # frame and slice threads
             fps = float(stream.average_rate or stream.guessed_rate or 0)
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+            out = None  # filled in place when the container states its frame count
+            if stream.frames and stream.codec_context.width and stream.codec_context.height:
+                out = np.empty((stream.frames, stream.codec_context.height, stream.codec_context.width, 3), np.uint8)
+            frames, n = [], 0
+            for f in container.decode(stream):
+                if out is not None and n < len(out) and (f.height, f.width) == out.shape[1:3]:
+                    _rgb(f, out[n])
+                else:
+                    frames.append(_rgb(f))
+                n += 1
     except (av.error.FFmpegError, IndexError) as e:
         raise VideoError(f"{path}: not a readable video ({e})") from e
-    if not frames:
+    if n == 0:
         raise VideoError(f"{path}: the video stream has no frames")
-    return np.stack(frames), fps
+    if out is None:
+        return np.stack(frames), fps
+    if frames:  # more frames than stated, or a size change: rare, take the slow path
+        return np.concatenate([out[: n - len(frames)], np.stack(frames)]), fps
+    return out[:n], fps
+
+
+def _rgb(frame, dst: np.ndarray | None = None) -> np.ndarray:
+    """RGB of a decoded frame (into ``dst`` if given); yuv420p through OpenCV, about twice as
+    fast as swscale."""
+    import cv2
+
+    if frame.format.name == "yuv420p" and frame.width % 2 == 0 and frame.height % 2 == 0:
+        return cv2.cvtColor(frame.to_ndarray(), cv2.COLOR_YUV2RGB_I420, dst=dst)
+    rgb = frame.to_ndarray(format="rgb24")
+    if dst is not None:
+        dst[...] = rgb
+        return dst
+    return rgb
 
 
 def poster_jpeg(frames: np.ndarray, quality: int = 90) -> bytes:

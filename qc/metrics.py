@@ -8,6 +8,7 @@ moving objects) is explained by the flow and leaves a small residual; broken fra
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import cv2
@@ -34,7 +35,6 @@ class Series:
     residual: np.ndarray  # mean |frame[i] - warp(frame[i+1])| inside the border
     ssim: np.ndarray  # SSIM of frame[i] and warp(frame[i+1])
     cells: np.ndarray  # (F-1, GRID, GRID) mean residual of each cell
-    cells_dssim: np.ndarray  # (F-1, GRID, GRID) mean structural dissimilarity (1 - SSIM) of each cell
     hp_ratio: np.ndarray  # residual high-frequency energy / frame high-frequency energy
     luma_drift: np.ndarray  # mean of warp(frame[i+1]) - frame[i]: brightness change of the same content
     sat_drift: np.ndarray  # the same for HSV saturation (0..1)
@@ -51,8 +51,12 @@ def working_copy(frames: np.ndarray, max_side: int) -> tuple[np.ndarray, np.ndar
     scale = 1.0 / k
     size = (max(8, w // k), max(8, h // k))
     small = np.empty((f, size[1], size[0], 3), np.uint8)
-    for i, frame in enumerate(frames):
-        small[i] = cv2.resize(frame, size, interpolation=cv2.INTER_AREA) if scale < 1.0 else frame
+
+    def shrink(i: int) -> None:
+        small[i] = cv2.resize(frames[i], size, interpolation=cv2.INTER_AREA) if k > 1 else frames[i]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(shrink, range(f)))
     gray = np.stack([cv2.cvtColor(x, cv2.COLOR_RGB2GRAY) for x in small]).astype(np.float32)
     return gray, small, scale
 
@@ -109,35 +113,40 @@ def measure(frames: np.ndarray, max_side: int = 320) -> Series:
     diff, flow_m, residual, ssim = (np.zeros(m) for _ in range(4))
     hp_ratio, luma_drift, sat_drift, flow_dx, flow_dy = (np.zeros(m) for _ in range(5))
     cells = np.zeros((m, GRID, GRID), np.float32)
-    cells_dssim = np.zeros((m, GRID, GRID), np.float32)
     sat = [x[..., 1].astype(np.float32) / 255.0 for x in hsv]
-    flow_of = FlowEstimator()
     g8 = np.clip(gray, 0, 255).astype(np.uint8)
     hp = [_highpass(g) for g in gray]
-    for i in range(m):
-        a, b = gray[i], gray[i + 1]
-        fl = flow_of(g8[i], g8[i + 1])
-        wb = warp(b, fl)
-        r = np.abs(a - wb)[inner]
-        diff[i] = np.abs(b - a)[inner].mean()
-        flow_m[i] = np.sqrt((fl[inner] ** 2).sum(axis=-1)).mean()
-        # content at x in frame i is at x + flow in frame i+1
-        sub = fl[inner][::4, ::4]
-        flow_dx[i], flow_dy[i] = np.median(sub[..., 0]), np.median(sub[..., 1])
-        residual[i] = r.mean()
-        sm = ssim_map(a, wb)
-        ssim[i] = sm[inner].mean()
-        cells_dssim[i] = cv2.resize(1 - sm[inner], (GRID, GRID), interpolation=cv2.INTER_AREA)
-        cells[i] = cv2.resize(r, (GRID, GRID), interpolation=cv2.INTER_AREA)
-        luma_drift[i] = (wb - a)[inner].mean()
-        sat_drift[i] = (warp(sat[i + 1], fl) - sat[i])[inner].mean()
-        hp_w = warp(hp[i + 1], fl)
-        hp_ratio[i] = np.abs(hp[i] - hp_w)[inner].mean() / (
-            0.5 * (np.abs(hp[i])[inner].mean() + np.abs(hp_w)[inner].mean()) + 1e-3
-        )
+
+    def pairs(lo: int, hi: int) -> None:
+        flow_of = FlowEstimator()  # one per thread
+        for i in range(lo, hi):
+            a, b = gray[i], gray[i + 1]
+            fl = flow_of(g8[i], g8[i + 1])
+            wb = warp(b, fl)
+            r = np.abs(a - wb)[inner]
+            diff[i] = np.abs(b - a)[inner].mean()
+            flow_m[i] = np.sqrt((fl[inner] ** 2).sum(axis=-1)).mean()
+            # content at x in frame i is at x + flow in frame i+1
+            sub = fl[inner][::4, ::4]
+            flow_dx[i], flow_dy[i] = np.median(sub[..., 0]), np.median(sub[..., 1])
+            residual[i] = r.mean()
+            ssim[i] = ssim_map(a, wb)[inner].mean()
+            cells[i] = cv2.resize(r, (GRID, GRID), interpolation=cv2.INTER_AREA)
+            luma_drift[i] = (wb - a)[inner].mean()
+            sat_drift[i] = (warp(sat[i + 1], fl) - sat[i])[inner].mean()
+            hp_w = warp(hp[i + 1], fl)
+            hp_ratio[i] = np.abs(hp[i] - hp_w)[inner].mean() / (
+                0.5 * (np.abs(hp[i])[inner].mean() + np.abs(hp_w)[inner].mean()) + 1e-3
+            )
+
+    # OpenCV and numpy release the GIL: two threads use both cores of a small machine
+    half = m // 2
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for f in [pool.submit(pairs, 0, half), pool.submit(pairs, half, m)]:
+            f.result()
     sharpness = sharpness_trend(frames, flow_dx, flow_dy, scale)
     return Series(scale, luma, spread, clipped, saturation, sharpness, diff, flow_m, residual, ssim,
-                  cells, cells_dssim, hp_ratio, luma_drift, sat_drift)
+                  cells, hp_ratio, luma_drift, sat_drift)
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:
