@@ -481,6 +481,72 @@ def _interp_bench(as_json: bool) -> None:
     out.print(f"speed, {speed['clip']}: {speed['seconds']} s, {speed['output_fps']} output frames/s")
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@main.command()
+@click.argument("batch", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs a token.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--token", envvar="CLIPMILL_REVIEW_TOKEN", default=None,
+              help="Require this token (open /?token=TOKEN once, or send 'Authorization: Bearer TOKEN').")
+def review(batch, host, port, token):
+    """Serve the review page: play QC survivors, approve (a) or decline (d), move with j/k.
+
+    Rejected clips can be shown with their reasons and contact sheets, and approved as an
+    override; every decision is recorded. Two operators never overwrite each other silently.
+
+    \b
+    Example:
+      clipmill review ad-batch-20261129-210000
+      clipmill review --host 0.0.0.0 --port 8080 --token "$(openssl rand -hex 16)"
+    """
+    from jobs.web import serve
+
+    if host not in LOOPBACK and not token:
+        raise click.ClickException(
+            f"--host {host}: binding beyond this machine needs --token (or CLIPMILL_REVIEW_TOKEN)"
+        )
+    if token is not None and len(token) < 12:
+        raise click.ClickException("--token: use at least 12 characters")
+    db = _db()
+    if batch is not None:
+        try:
+            batch_status(db, batch)
+        except SubmitError as e:
+            raise click.ClickException(str(e))
+    where = f"http://{host}:{port}/" + (f"batch/{batch}" if batch else "")
+    err.print(f"review at {where}" + (" (token required)" if token else ""), soft_wrap=True)
+    serve(db, host, port, token, batch)
+
+
+@main.command()
+@click.argument("batch")
+@click.option("--to", "dest", required=True, metavar="DIR|s3://BUCKET/PREFIX", help="Where to deliver.")
+def export(batch, dest):
+    """Deliver BATCH's approved clips to a folder or S3 prefix, with manifest.csv and manifest.json.
+
+    Files already there with the same bytes are not copied again, so a rerun copies nothing
+    twice and an interrupted export resumes.
+
+    \b
+    Example:
+      clipmill export ad-batch-20261129-210000 --to delivery/
+      clipmill export ad-batch-20261129-210000 --to s3://ads-bucket/approved
+    """
+    from jobs.export import ExportError, export_batch
+    from storage import StorageError
+
+    db = _db()
+    try:
+        res = export_batch(db, batch, dest)
+    except (ExportError, StorageError) as e:
+        raise click.ClickException(str(e))
+    out.print(f"{len(res.rows)} approved clip(s): {len(res.copied)} copied, {len(res.skipped)} already there")
+    for m in res.manifest:
+        out.print(f"manifest: {m}", soft_wrap=True)
+
+
 @main.group()
 def prompts():
     """Work with prompt batch files without submitting them."""

@@ -102,3 +102,19 @@ class Attempt(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     job: Mapped[Job] = relationship(back_populates="attempts")
+
+
+class Decision(Base):
+    """An operator's decision on a job; every one is kept, overrides of QC included."""
+
+    __tablename__ = "decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"), nullable=True)
+    decision: Mapped[str] = mapped_column(String(16))  # approved | declined
+    from_state: Mapped[str] = mapped_column(String(16))
+    override: Mapped[bool] = mapped_column(default=False)  # True when it overrules QC's reject
+    note: Mapped[str] = mapped_column(Text, default="")
+    operator: Mapped[str] = mapped_column(String(120))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

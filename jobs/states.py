@@ -21,6 +21,8 @@ class JobState(str, enum.Enum):
     REJECTED = "rejected"  # QC rejected its last attempt
     FAILED = "failed"  # an error, out of attempts
     CANCELLED = "cancelled"
+    APPROVED = "approved"  # an operator approved it for delivery
+    DECLINED = "declined"  # an operator declined it, with a note
 
 
 class AttemptState(str, enum.Enum):
@@ -39,8 +41,11 @@ JOB_MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.POST: frozenset(
         {JobState.PASSED, JobState.REJECTED, JobState.FAILED, JobState.QUEUED, JobState.CANCELLED}
     ),
-    JobState.PASSED: frozenset(),
-    JobState.REJECTED: frozenset({JobState.QUEUED}),  # an explicit retry
+    JobState.PASSED: frozenset({JobState.APPROVED, JobState.DECLINED}),
+    # an explicit retry, or an operator rescuing a false reject (recorded as an override)
+    JobState.REJECTED: frozenset({JobState.QUEUED, JobState.APPROVED, JobState.DECLINED}),
+    JobState.APPROVED: frozenset({JobState.DECLINED}),  # an operator changing a decision
+    JobState.DECLINED: frozenset({JobState.APPROVED}),
     JobState.FAILED: frozenset({JobState.QUEUED}),  # an explicit retry
     JobState.CANCELLED: frozenset({JobState.QUEUED}),
 }
@@ -53,7 +58,9 @@ ATTEMPT_MOVES: dict[AttemptState, frozenset[AttemptState]] = {
     AttemptState.FAILED: frozenset(),
 }
 
-FINAL_JOB_STATES = frozenset({JobState.PASSED, JobState.REJECTED, JobState.FAILED, JobState.CANCELLED})
+FINAL_JOB_STATES = frozenset(
+    {JobState.PASSED, JobState.REJECTED, JobState.FAILED, JobState.CANCELLED, JobState.APPROVED, JobState.DECLINED}
+)
 
 
 class IllegalMove(ValueError):
@@ -70,19 +77,31 @@ def _check(table: dict, src, dst, what: str) -> None:
         raise IllegalMove(f"{what}: {src.value} -> {dst.value} is not a legal move; from {src.value}: {allowed}")
 
 
-def move_job(session: Session, job_id: int, src: JobState, dst: JobState, **values) -> None:
-    """Compare-and-set a job from ``src`` to ``dst``, with other column ``values``."""
+def move_job(
+    session: Session, job_id: int, src: JobState, dst: JobState, *, version: int | None = None, **values
+) -> None:
+    """Compare-and-set a job from ``src`` to ``dst``, with other column ``values``.
+
+    With ``version``, the row must also still be at that version (nobody touched it since).
+    """
     from jobs.models import Job
 
     _check(JOB_MOVES, src, dst, f"job {job_id}")
+    cond = [Job.id == job_id, Job.state == src.value]
+    if version is not None:
+        cond.append(Job.version == version)
     res = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.state == src.value)
+        .where(*cond)
         .values(state=dst.value, version=Job.version + 1, **values)
         .execution_options(synchronize_session=False)
     )
     if res.rowcount != 1:
-        raise MoveConflict(f"job {job_id}: not in state {src.value}; another process moved it")
+        raise MoveConflict(
+            f"job {job_id}: not in state {src.value}"
+            + (f" at version {version}" if version is not None else "")
+            + "; another process moved it"
+        )
 
 
 def move_attempt(session: Session, attempt_id: int, src: AttemptState, dst: AttemptState, **values) -> None:

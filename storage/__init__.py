@@ -7,10 +7,14 @@ from storage.local import LocalStorage
 
 
 def open_storage(url: str) -> Storage:
-    """Storage for a ``--out`` value: a local folder path."""
+    """Storage for an ``--out`` or ``--to`` value: a local folder, or ``s3://bucket/prefix``."""
+    if url.startswith("s3://"):
+        from storage.s3 import S3Storage
+
+        return S3Storage(url)
     if "://" in url:
         scheme = url.split("://", 1)[0]
-        raise StorageError(f"--out {url!r}: {scheme}:// storage is not supported yet; give a local folder")
+        raise StorageError(f"{url!r}: {scheme}:// storage is not supported; give a local folder or s3://bucket/prefix")
     return LocalStorage(url)
 
 

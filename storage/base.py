@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import posixpath
 from typing import Protocol
 
 
 class StorageError(ValueError):
     """A key or location that storage refuses."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def check_key(key: str) -> str:
@@ -30,6 +40,9 @@ class Storage(Protocol):
     def get_bytes(self, key: str) -> bytes: ...
 
     def exists(self, key: str) -> bool: ...
+
+    def stat(self, key: str) -> tuple[int, str | None] | None:
+        """(size, sha256) of what is stored at ``key``, or None if nothing is."""
 
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""

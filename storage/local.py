@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from storage.base import check_key
+from storage.base import check_key, sha256_file
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -58,6 +58,13 @@ class LocalStorage:
 
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
+
+    def stat(self, key: str) -> tuple[int, str | None] | None:
+        """(size, sha256) of a stored file, or None if it does not exist."""
+        p = self.path(key)
+        if not p.is_file():
+            return None
+        return p.stat().st_size, sha256_file(p)
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)

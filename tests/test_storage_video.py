@@ -46,7 +46,7 @@ def test_bad_keys_are_refused(tmp_path, key):
 
 
 def test_unknown_url_scheme_is_refused():
-    with pytest.raises(StorageError, match="ftp:// storage is not supported"):
+    with pytest.raises(StorageError, match="ftp:// storage is not supported; give a local folder or s3://bucket/prefix"):
         open_storage("ftp://host/x")
 
 
