@@ -1,4 +1,4 @@
-"""Dense optical flow (OpenCV DIS) and backward warping: shared by interpolation and QC."""
+"""Dense optical flow (OpenCV DIS), backward warping and SSIM: shared by interpolation and QC."""
 
 from __future__ import annotations
 
@@ -43,3 +43,14 @@ def warp(img: np.ndarray, flow: np.ndarray) -> np.ndarray:
     """Backward warp: sample ``img`` at x + flow(x), bilinear, edges replicated."""
     m = (_grid(*flow.shape[:2]) + flow).astype(np.float32, copy=False)
     return cv2.remap(img, m, None, cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+
+
+def ssim_map(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """SSIM map of two float32 grayscale images (0..255), Gaussian window sigma 1.5."""
+    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
+    blur = lambda x: cv2.GaussianBlur(x, (11, 11), 1.5)  # noqa: E731
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a * mu_a
+    var_b = blur(b * b) - mu_b * mu_b
+    cov = blur(a * b) - mu_a * mu_b
+    return ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a * mu_a + mu_b * mu_b + c1) * (var_a + var_b + c2))

@@ -24,7 +24,7 @@ from typing import Callable
 import cv2
 import numpy as np
 
-from pipeline.flow import FlowEstimator, warp
+from pipeline.flow import FlowEstimator, ssim_map, warp
 from pipeline.retime import source_times
 
 EPS_T = 1e-3  # output times this close to an input frame take that frame as it is
@@ -80,17 +80,9 @@ def pair_flow(a: np.ndarray, b: np.ndarray, flow: FlowEstimator, cfg: InterpConf
     wa = warp(gb.astype(np.float32), s01)
     fa = ga.astype(np.float32)
     residual = float(np.abs(fa - wa).mean())
-    cut = residual > cfg.cut_residual and _ssim(fa, wa) < cfg.cut_ssim
+    cut = residual > cfg.cut_residual and float(ssim_map(fa, wa).mean()) < cfg.cut_ssim
     sigma = cfg.occlusion_sigma
     return PairFlow(s01, s10, _consistency(s01, s10, sigma), _consistency(s10, s01, sigma), k, cut)
-
-
-def _ssim(a: np.ndarray, b: np.ndarray) -> float:
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
-    blur = lambda x: cv2.GaussianBlur(x, (11, 11), 1.5)  # noqa: E731
-    ma, mb = blur(a), blur(b)
-    va, vb, cov = blur(a * a) - ma * ma, blur(b * b) - mb * mb, blur(a * b) - ma * mb
-    return float((((2 * ma * mb + c1) * (2 * cov + c2)) / ((ma * ma + mb * mb + c1) * (va + vb + c2))).mean())
 
 
 def in_between(a: np.ndarray, b: np.ndarray, t: float, pf: PairFlow) -> np.ndarray:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from pipeline.flow import FlowEstimator, warp
+from pipeline.flow import FlowEstimator, ssim_map, warp
 
 GRID = 12  # cells per side for local (block) residuals
 BORDER = 0.06  # fraction of each side left out of residuals: flow is unreliable at the edges
@@ -59,17 +59,6 @@ def working_copy(frames: np.ndarray, max_side: int) -> tuple[np.ndarray, np.ndar
         list(pool.map(shrink, range(f)))
     gray = np.stack([cv2.cvtColor(x, cv2.COLOR_RGB2GRAY) for x in small]).astype(np.float32)
     return gray, small, scale
-
-
-def ssim_map(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """SSIM map of two float32 grayscale images (0..255), Gaussian window sigma 1.5."""
-    c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
-    blur = lambda x: cv2.GaussianBlur(x, (11, 11), 1.5)  # noqa: E731
-    mu_a, mu_b = blur(a), blur(b)
-    var_a = blur(a * a) - mu_a * mu_a
-    var_b = blur(b * b) - mu_b * mu_b
-    cov = blur(a * b) - mu_a * mu_b
-    return ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a * mu_a + mu_b * mu_b + c1) * (var_a + var_b + c2))
 
 
 def _highpass(x: np.ndarray) -> np.ndarray:
