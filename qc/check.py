@@ -30,9 +30,10 @@ class QCConfig:
     spike_min: float = 12.0  # ... and at least this large
     min_pair_ssim: float = 0.5  # any compensated pair below this is broken
     # block corruption: a grid cell whose residual jumps above its own temporal context
-    block_jump: float = 2.5  # (region - context) / (context + block_floor) above this
+    block_jump: float = 1.8  # (region - context) / (context + block_floor) above this, at onset and at end
     block_floor: float = 4.0
     block_min: float = 8.0  # and the region's residual itself at least this
+    block_seconds: float = 1.0  # damage lasting up to this long is paired (onset, then end)
     block_concentration: float = 4.0  # a spike whose worst region is this many times the frame's is local
     # flicker: mean luma alternating up and down
     flicker_luma: float = 2.5  # swings larger than this ...
@@ -48,7 +49,7 @@ class QCConfig:
     exposure_clip: float = 0.03  # ... with the clipped-pixel fraction growing by this (first vs last quarter)
     exposure_saturation: float = 0.10  # or summed compensated saturation rise (0..1) above this
     # boiling texture: texture re-rolls every frame, so compensation cannot explain it
-    boiling_ssim: float = 0.8  # median compensated SSIM below this ...
+    boiling_ssim: float = 0.72  # median compensated SSIM below this ...
     boiling_hp: float = 0.7  # ... with a high-frequency residual ratio above this
     # collapse into blur or smear
     blur_ratio: float = 0.6  # sharpness of the same content, last quarter / first quarter, below this
@@ -110,24 +111,35 @@ def pool2(cells: np.ndarray) -> np.ndarray:
     return (cells[:, :-1, :-1] + cells[:, 1:, :-1] + cells[:, :-1, 1:] + cells[:, 1:, 1:]) / 4
 
 
-def block_jumps(cells: np.ndarray, floor: float) -> tuple[np.ndarray, np.ndarray]:
-    """Per pair: the largest cell jump (value - context) / (context + floor), and that cell's value.
+def block_events(cells: np.ndarray, floor: float, jump: float, min_value: float, max_pairs: int) -> list[tuple]:
+    """Regions whose residual jumps up at once (onset) and falls back at once (end) within
+    ``max_pairs``: damage that appears and disappears in place. A flow failure on a fast pan
+    makes a lone jump; it is not paired.
 
-    A cell's context at pair i is the larger of its two previous pairs (onset) or of its two
-    next pairs (end), so damage that starts or stops at once stands out, whatever it lasts.
+    A region's context for the onset is the larger of its two previous pairs, for the end the
+    larger of its two next pairs; a jump is (value - context) / (context + floor).
+    Returns (first pair, last pair, value, jump) per event.
     """
     m = len(cells)
-    if m == 0:
-        return np.zeros(0), np.zeros(0)
-    pad = np.concatenate([cells[:1], cells[:1], cells, cells[-1:], cells[-1:]])
+    if m < 2:
+        return []
+    flat = cells.reshape(m, -1)
+    pad = np.concatenate([flat[:1], flat[:1], flat, flat[-1:], flat[-1:]])
     past = np.maximum(pad[:m], pad[1 : m + 1])
     future = np.maximum(pad[3 : m + 3], pad[4 : m + 4])
-    onset = (cells - past) / (past + floor)
-    end = (cells - future) / (future + floor)
-    j = np.maximum(onset, end)
-    flat = j.reshape(m, -1)
-    idx = flat.argmax(axis=1)
-    return flat[np.arange(m), idx], cells.reshape(m, -1)[np.arange(m), idx]
+    onset = (flat - past) / (past + floor)
+    end = (flat - future) / (future + floor)
+    on = (onset > jump) & (flat > min_value)
+    off = (end > jump) & (flat > min_value)
+    events = []
+    for c in np.flatnonzero(on.any(axis=0) & off.any(axis=0)):
+        ons, offs = np.flatnonzero(on[:, c]), np.flatnonzero(off[:, c])
+        for i in ons:
+            # a damaged frame touches two pairs (into it, out of it): the end is a later pair
+            later = offs[(offs > i) & (offs <= i + max_pairs)]
+            if len(later):
+                events.append((int(i), int(later[0]), float(flat[i, c]), float(onset[i, c])))
+    return events
 
 
 def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
@@ -193,14 +205,15 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     # 3. block corruption: a region's residual jumps at once above its own recent past (onset)
     #    or its near future (end), while the frame as a whole stays explained
     if not spike.any():
-        jump, where = block_jumps(pool2(s.cells), cfg.block_floor)
-        bad = (jump > cfg.block_jump) & (where > cfg.block_min)
-        bad &= ~(flat_frames[:-1] | flat_frames[1:])
-        if bad.any():
-            i = int(np.argmax(np.where(bad, jump, -1)))
+        events = block_events(pool2(s.cells), cfg.block_floor, cfg.block_jump, cfg.block_min,
+                              max(2, int(round(cfg.block_seconds * fps))))
+        events = [e for e in events if not flat_frames[e[0] : e[1] + 2].any()]
+        if events:
+            worst = max(events, key=lambda e: e[3])
+            spans = sorted({(e[0] + 1, max(e[0] + 1, e[1])) for e in events})
             reasons.append(
-                f"block: frame pairs {_ranges(runs(bad))} (a region's compensated residual jumps to {where[i]:.1f}, "
-                f"{jump[i] + 1:.1f}x its level in the frames around > {cfg.block_jump + 1:g}x)"
+                f"block: frames {_ranges(spans)} (a region's compensated residual jumps to {worst[2]:.1f}, "
+                f"{worst[3] + 1:.1f}x its level in the frames around > {cfg.block_jump + 1:g}x, then drops back)"
             )
 
     # 4. flicker: mean luma alternating up and down

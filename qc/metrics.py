@@ -65,14 +65,21 @@ def _highpass(x: np.ndarray) -> np.ndarray:
     return x - cv2.GaussianBlur(x, (0, 0), 1.5)
 
 
-def sharpness_trend(frames: np.ndarray, dx: np.ndarray, dy: np.ndarray, scale: float, samples: int = 9) -> np.ndarray:
+def sharpness_trend(frames: np.ndarray, dx: np.ndarray, dy: np.ndarray, zoom: np.ndarray, scale: float,
+                    samples: int = 9) -> np.ndarray:
     """Sharpness of the same content over time, at full resolution (blur is a full-resolution
-    property): mean |Laplacian| of a central window in sampled frames, the window moved along
-    with the camera (the summed median flow), as a ratio to the first sample. A pan onto a
-    smoother part of the scene keeps 1.0; a clip collapsing into blur falls towards 0."""
+    property), as a ratio to the first frame: a pan onto a smoother part of the scene keeps
+    about 1.0; a clip collapsing into blur falls towards 0.
+
+    Between sampled frames, a central window moved along with the camera (the summed median
+    flow) is compared block by block (the median block ratio, so an object passing through a
+    few blocks does not count), and the ratio is corrected for the zoom (the flow's
+    divergence): magnified content is softer without being blurred.
+    """
     n, h, w = frames.shape[:3]
     idx = np.unique(np.linspace(0, n - 1, min(n, samples)).round().astype(int))
     px, py = np.concatenate([[0], np.cumsum(dx)]) / scale, np.concatenate([[0], np.cumsum(dy)]) / scale
+    mag = np.concatenate([[1.0], np.cumprod(zoom)])  # content scale relative to frame 0
     lap = [np.abs(cv2.Laplacian(cv2.cvtColor(frames[i], cv2.COLOR_RGB2GRAY), cv2.CV_32F)) for i in idx]
     my, mx = h // 4, w // 4
     out = [1.0]
@@ -80,9 +87,10 @@ def sharpness_trend(frames: np.ndarray, dx: np.ndarray, dy: np.ndarray, scale: f
         a, b = idx[k - 1], idx[k]
         sy, sx = int(round(py[b] - py[a])), int(round(px[b] - px[a]))
         sy, sx = int(np.clip(sy, -my + 1, my - 1)), int(np.clip(sx, -mx + 1, mx - 1))
-        ea = lap[k - 1][my : h - my, mx : w - mx].mean()
-        eb = lap[k][my + sy : h - my + sy, mx + sx : w - mx + sx].mean()
-        out.append(out[-1] * (eb + 1e-3) / (ea + 1e-3))
+        wa = cv2.resize(lap[k - 1][my : h - my, mx : w - mx], (4, 4), interpolation=cv2.INTER_AREA)
+        wb = cv2.resize(lap[k][my + sy : h - my + sy, mx + sx : w - mx + sx], (4, 4), interpolation=cv2.INTER_AREA)
+        ratio = float(np.median((wb + 1e-3) / (wa + 1e-3)))
+        out.append(out[-1] * ratio * (mag[b] / mag[a]))
     return np.interp(np.arange(n), idx, out)
 
 
@@ -101,13 +109,14 @@ def measure(frames: np.ndarray, max_side: int = 320) -> Series:
     m = max(n - 1, 0)
     diff, flow_m, residual, ssim = (np.zeros(m) for _ in range(4))
     hp_ratio, luma_drift, sat_drift, flow_dx, flow_dy = (np.zeros(m) for _ in range(5))
+    zoom = np.ones(m)
     cells = np.zeros((m, GRID, GRID), np.float32)
     sat = [x[..., 1].astype(np.float32) / 255.0 for x in hsv]
     g8 = np.clip(gray, 0, 255).astype(np.uint8)
     hp = [_highpass(g) for g in gray]
 
     def pairs(lo: int, hi: int) -> None:
-        flow_of = FlowEstimator()  # one per thread
+        flow_of = FlowEstimator("fast")  # one per thread; "fast" holds on quick pans over repetitive texture
         for i in range(lo, hi):
             a, b = gray[i], gray[i + 1]
             fl = flow_of(g8[i], g8[i + 1])
@@ -118,6 +127,9 @@ def measure(frames: np.ndarray, max_side: int = 320) -> Series:
             # content at x in frame i is at x + flow in frame i+1
             sub = fl[inner][::4, ::4]
             flow_dx[i], flow_dy[i] = np.median(sub[..., 0]), np.median(sub[..., 1])
+            # zoom: divergence of the flow is 2 (s - 1) for a scale change s
+            div = np.gradient(fl[..., 0], axis=1) + np.gradient(fl[..., 1], axis=0)
+            zoom[i] = 1.0 + 0.5 * float(np.median(div[inner]))
             residual[i] = r.mean()
             ssim[i] = ssim_map(a, wb)[inner].mean()
             cells[i] = cv2.resize(r, (GRID, GRID), interpolation=cv2.INTER_AREA)
@@ -133,7 +145,7 @@ def measure(frames: np.ndarray, max_side: int = 320) -> Series:
     with ThreadPoolExecutor(max_workers=2) as pool:
         for f in [pool.submit(pairs, 0, half), pool.submit(pairs, half, m)]:
             f.result()
-    sharpness = sharpness_trend(frames, flow_dx, flow_dy, scale)
+    sharpness = sharpness_trend(frames, flow_dx, flow_dy, zoom, scale)
     return Series(scale, luma, spread, clipped, saturation, sharpness, diff, flow_m, residual, ssim,
                   cells, hp_ratio, luma_drift, sat_drift)
 
