@@ -12,6 +12,7 @@ import io
 import json
 import re
 import string
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -135,7 +136,11 @@ def _read_csv(path: Path, text: str) -> Records:
             if not row or all(not c.strip() for c in row):
                 continue
             if header is None:
-                header = [normalize(h).lower() for h in row]
+                header = [_column(h) for h in row]
+                if len(header) == 1 and (";" in header[0] or "\t" in header[0]):
+                    sep = "';'" if ";" in header[0] else "a tab"
+                    raise FileProblem(Problem(str(path), line, None, None,
+                                              f"the header {row[0]!r} is split by {sep}; clipmill reads comma-separated CSV"))
                 dupes = sorted({h for h in header if header.count(h) > 1})
                 if dupes:
                     raise FileProblem(Problem(str(path), line, None, None, f"the header repeats column {dupes[0]!r}"))
@@ -170,12 +175,17 @@ def _read_jsonl(path: Path, text: str) -> Records:
         if not isinstance(obj, dict):
             problems.append(Problem(str(path), line, None, None, f"expected a JSON object, got {type(obj).__name__}"))
             continue
-        obj = {normalize(str(k)).lower(): v for k, v in obj.items() if v is not None and v != ""}
+        obj = {_column(str(k)): v for k, v in obj.items() if v is not None and v != ""}
         for k in obj:
             if k not in columns:
                 columns.append(k)
         records.append((line, obj))
     return columns, records, problems
+
+
+def _column(name: str) -> str:
+    """A column name as matched: NFKC, trimmed, lower case (nothing else is changed)."""
+    return unicodedata.normalize("NFKC", name).strip().lower()
 
 
 def read_records(path: str | Path) -> Records:

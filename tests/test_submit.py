@@ -110,6 +110,17 @@ BAD_CASES = [
         ["dupid.csv:3: id: 'a' repeats the id of line 2; ids must be unique in a batch"],
     ),
     ("empty.csv", "", ["empty.csv:1: empty file; expected a header row and at least one row"]),
+    ("semicolon.csv", "prompt;tier\nramen;fast\n",
+     ["semicolon.csv:1: the header 'prompt;tier' is split by ';'; clipmill reads comma-separated CSV"]),
+    (
+        "types.jsonl",
+        '{"prompt": {"a": 1}}\n{"prompt": "y", "seed": -1}\n{"prompt": "\\u200b"}\n',
+        [
+            'types.jsonl:1: prompt: {"a": 1} is not text; give a string',
+            "types.jsonl:2: seed: -1 is not a seed; allowed: an integer from 0 to 4294967295",
+            "types.jsonl:3: prompt: '\\u200b' is empty after cleaning; give visible text",
+        ],
+    ),
     ("header.csv", "prompt\n", ["header.csv:1: no rows; expected at least one prompt"]),
     ("notes.txt", "ramen\n", ["notes.txt:1: unknown file type '.txt'; allowed: .csv, .jsonl, .ndjson"]),
     ("long.csv", "prompt\n" + "word " * 80 + "\n", ["long.csv:2: prompt: 'word word word"]),
