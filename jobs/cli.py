@@ -103,7 +103,7 @@ def _report(bf: BatchFile) -> None:
         err.print(f"[yellow]warning:[/] {escape(str(w))}", soft_wrap=True)
 
 
-def _submit(path: str, opts: SubmitOptions) -> SubmitResult:
+def _submit(path: str, opts: SubmitOptions, farm: bool = False) -> SubmitResult:
     db = _db()
     try:
         res = submit(db, path, opts)
@@ -113,12 +113,30 @@ def _submit(path: str, opts: SubmitOptions) -> SubmitResult:
     except (SubmitError, ModelError) as e:
         raise click.ClickException(str(e))
     _report(res.file)
+    if farm:
+        _send_to_farm(db, res.job_ids)
     if res.file.errors:
         err.print(f"[yellow]skipped {len(res.file.bad_lines)} invalid row(s):[/]")
         for p in res.file.errors:
             err.print(f"  {p}", soft_wrap=True, markup=False)
     err.print(f"batch [bold]{res.batch_id}[/]: {len(res.job_ids)} job(s) queued in {db.url}")
     return res
+
+
+def _send_to_farm(db, job_ids: list[int]) -> None:
+    """In farm mode (CLIPMILL_BROKER_URL set), send the committed jobs to the render queue."""
+    from jobs.celery_app import broker_url
+
+    if not broker_url() or not job_ids:
+        return
+    from jobs.dispatch import BrokerDown, send_render
+
+    try:
+        n = send_render(db, job_ids)
+        err.print(f"sent {n} job(s) to the render queue at {broker_url()}", soft_wrap=True)
+    except BrokerDown as e:
+        err.print(f"[yellow]warning:[/] broker {broker_url()} unreachable ({escape(str(e))}); the jobs stay queued "
+                  "in the database: run `clipmill reconcile` once it is back", soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -265,6 +283,61 @@ def _summary(st: dict, wall: float) -> None:
         out.print(f"  job {r['job']} (line {r['line']}) {r['state']}: {why}", soft_wrap=True, markup=False)
 
 
+@main.command()
+@click.option("--queues", type=click.Choice(["render", "post"]), required=True, help="render (GPU) or post (CPU).")
+@click.option("--gpu", type=int, default=None, help="With --queues render: the GPU this worker owns (sets CUDA_VISIBLE_DEVICES).")
+@click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True, help="With --queues post: threads.")
+@click.option("--loglevel", default="INFO", show_default=True)
+def worker(queues, gpu, concurrency, loglevel):
+    """Run a farm worker (needs CLIPMILL_BROKER_URL and a shared CLIPMILL_DATABASE_URL).
+
+    A render worker is one process per GPU (solo pool: CUDA cannot be re-initialised in forked
+    children); it keeps the model warm and renders groups of up to 4 compatible queued jobs.
+    A post worker interpolates, encodes, checks and stores, on threads.
+
+    \b
+    Example:
+      CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill worker --queues render --gpu 0
+      CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill worker --queues post --concurrency 4
+    """
+    from jobs.celery_app import app, broker_url
+
+    if not broker_url():
+        raise click.ClickException("CLIPMILL_BROKER_URL is not set; a worker needs the broker (e.g. redis://127.0.0.1:6379/0)")
+    if gpu is not None:
+        if queues != "render":
+            raise click.UsageError("--gpu is for --queues render")
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    name = f"{queues}{'' if gpu is None else gpu}-{os.getpid()}@%h"
+    pool = ["--pool", "solo"] if queues == "render" else ["--pool", "threads", "--concurrency", str(concurrency)]
+    app.worker_main(["worker", "-Q", queues, "-n", name, "--loglevel", loglevel, "--without-gossip",
+                     "--without-mingle", *pool])
+
+
+@main.command()
+@click.option("--stale", type=float, default=600, show_default=True, help="Seconds after which a sent job is sent again.")
+def reconcile(stale):
+    """Make the broker agree with the job table: take back jobs whose worker lease expired, send
+    again queued jobs that were never sent (broker down at submit) or sent long ago, and rendered
+    clips still waiting for post-processing. Safe to run any time; also run it periodically.
+
+    \b
+    Example:
+      CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill reconcile
+    """
+    from jobs.celery_app import broker_url
+    from jobs.dispatch import BrokerDown, reconcile as run_reconcile
+
+    if not broker_url():
+        raise click.ClickException("CLIPMILL_BROKER_URL is not set; reconcile sends work to the broker")
+    try:
+        res = run_reconcile(_db(), stale)
+    except BrokerDown as e:
+        raise click.ClickException(f"broker {broker_url()} unreachable: {e}")
+    out.print(f"taken back {res['taken_back']}, render messages sent {res['render_sent']}, "
+              f"post messages sent {res['post_sent']}")
+
+
 @main.command("submit")
 @click.argument("file", type=click.Path(dir_okay=False))
 @batch_options
@@ -273,14 +346,16 @@ def submit_cmd(file, opts: SubmitOptions):
     """Validate FILE and queue its jobs in the job table, rendering nothing.
 
     All or nothing: a file with a bad row leaves the database unchanged, unless --skip-invalid.
-    Queued jobs are rendered by `clipmill run --resume BATCH`.
+    With CLIPMILL_BROKER_URL set, the committed jobs are then sent to the farm's render queue
+    (if the broker is down they stay queued; `clipmill reconcile` sends them later); without it,
+    `clipmill run --resume BATCH` renders them here.
 
     \b
     Example:
       clipmill submit examples/ad-batch.csv --batch friday-ads --tier quality
     """
     _warn_model(opts)
-    res = _submit(file, opts)
+    res = _submit(file, opts, farm=True)
     out.print(res.batch_id)
 
 

@@ -55,17 +55,20 @@ def claim_group(
     batch_id: str | None = None,
     size: int = 4,
     lease_s: float = DEFAULT_LEASE_S,
+    first_job_id: int | None = None,
 ) -> list[Claimed]:
     """Claim up to ``size`` queued jobs that can share one render call, and open an attempt each.
 
     Compatible means same model, sampler, guidance, tier, frames and size. The first job is
-    the highest-priority, oldest queued one; the rest must match it.
+    ``first_job_id`` if given (and still queued), else the highest-priority, oldest queued one;
+    the rest must match it.
     """
     with db.session() as s, s.begin():
         base = select(Job, Batch).join(Batch).where(Job.state == JobState.QUEUED.value)
         if batch_id is not None:
             base = base.where(Job.batch_id == batch_id)
-        first = s.execute(_for_update(base.order_by(Job.priority.desc(), Job.id).limit(1), s)).first()
+        head = base.where(Job.id == first_job_id) if first_job_id is not None else base
+        first = s.execute(_for_update(head.order_by(Job.priority.desc(), Job.id).limit(1), s)).first()
         if first is None:
             return []
         job, batch = first

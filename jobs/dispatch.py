@@ -1,0 +1,63 @@
+"""Sending work to the farm. The database is the source of truth: jobs are committed first and
+sent after; a job the broker never got stays queued, and `clipmill reconcile` sends it again."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from sqlalchemy import or_, select, update
+
+from jobs.db import Database
+from jobs.models import Job
+from jobs.queue import now, pending_post, reclaim
+from jobs.states import JobState
+
+log = logging.getLogger("clipmill.dispatch")
+
+
+class BrokerDown(RuntimeError):
+    pass
+
+
+def send_render(db: Database, job_ids: list[int]) -> int:
+    """Send one render message per job; mark them sent. Raises BrokerDown if Redis is unreachable."""
+    from kombu.exceptions import OperationalError
+
+    from jobs.tasks import render
+
+    sent = []
+    with db.session() as s:
+        prio = dict(s.execute(select(Job.id, Job.priority).where(Job.id.in_(job_ids))).all())
+    try:
+        for jid in job_ids:
+            # kombu's Redis priorities: 0 is the highest; clipmill's priority: higher goes first
+            render.apply_async((jid,), priority=max(0, min(9, 9 - prio.get(jid, 0))), queue="render", retry=False)
+            sent.append(jid)
+    except OperationalError as e:
+        raise BrokerDown(str(e)) from e
+    finally:
+        if sent:
+            with db.session() as s, s.begin():
+                s.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=now())
+                          .execution_options(synchronize_session=False))
+    return len(sent)
+
+
+def reconcile(db: Database, stale_s: float = 600) -> dict:
+    """Take back expired leases; send again queued jobs never sent or sent over ``stale_s`` ago,
+    and rendered attempts still waiting for post-processing."""
+    from jobs.tasks import post
+
+    taken_back = reclaim(db)
+    cutoff = now() - timedelta(seconds=stale_s)
+    with db.session() as s:
+        ids = list(s.scalars(select(Job.id).where(
+            Job.state == JobState.QUEUED.value, or_(Job.enqueued_at.is_(None), Job.enqueued_at < cutoff)
+        ).order_by(Job.priority.desc(), Job.id)))
+    sent = send_render(db, ids) if ids else 0
+    posts = 0
+    for attempt_id in pending_post(db):  # a second message for one already in flight does nothing
+        post.apply_async((attempt_id,), queue="post", retry=False)
+        posts += 1
+    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts}

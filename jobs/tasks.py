@@ -1,0 +1,92 @@
+"""Celery tasks: thin wrappers over the stage functions in jobs.stages.
+
+Messages carry ids only. Every task is safe to run twice: a render message for a job that is
+no longer queued does nothing (another group took it, or it is done), and a post message for
+an attempt that already moved on does nothing. Poison jobs stop at the batch's max attempts:
+every claim counts one, and a job whose worker died is taken back by its expired lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from jobs.celery_app import app
+
+log = logging.getLogger("clipmill.tasks")
+GROUP_SIZE = int(os.environ.get("CLIPMILL_GROUP_SIZE", 4))
+_ctx = None
+
+
+def context():
+    """The worker's context: database, and the model kept warm between tasks."""
+    global _ctx
+    if _ctx is None:
+        from jobs.db import Database
+        from jobs.stages import WorkerContext
+
+        device = os.environ.get("CLIPMILL_DEVICE")
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        _ctx = WorkerContext(Database(), device=device)
+    return _ctx
+
+
+class Heartbeat:
+    """Renews the lease on the jobs being rendered every ``every`` seconds."""
+
+    def __init__(self, db, job_ids: list[int], worker: str, every: float):
+        self.db, self.job_ids, self.worker, self.every = db, job_ids, worker, every
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        from jobs.queue import renew_lease
+
+        while not self.stop.wait(self.every):
+            renew_lease(self.db, self.job_ids, self.worker)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+@app.task(name="clipmill.render")
+def render(job_id: int) -> list[int]:
+    from jobs.queue import DEFAULT_LEASE_S, claim_group, worker_name
+    from jobs.stages import render_group
+
+    ctx = context()
+    me = worker_name()
+    claimed = claim_group(ctx.db, me, size=GROUP_SIZE, first_job_id=job_id)
+    if not claimed:
+        log.info("job %s: not queued any more; nothing to do", job_id)
+        return []
+    log.info("group of %s: jobs %s", len(claimed), [c.job_id for c in claimed])
+    with Heartbeat(ctx.db, [c.job_id for c in claimed], me, DEFAULT_LEASE_S / 3):
+        done = render_group(ctx, [c.attempt_id for c in claimed])
+    for attempt_id in done:
+        post.apply_async((attempt_id,), queue="post")
+    return done
+
+
+@app.task(name="clipmill.post")
+def post(attempt_id: int) -> str | None:
+    from jobs.models import Attempt, Job
+    from jobs.stages import post_attempt
+
+    ctx = context()
+    verdict = post_attempt(ctx, attempt_id)
+    with ctx.db.session() as s:
+        a = s.get(Attempt, attempt_id)
+        job = s.get(Job, a.job_id) if a else None
+    if job is not None and job.state == "queued":  # a QC retry: render it again
+        render.apply_async((job.id,), priority=job.priority, queue="render")
+    return verdict
