@@ -338,6 +338,48 @@ def reconcile(stale):
               f"post messages sent {res['post_sent']}")
 
 
+@main.command()
+@click.argument("target", metavar="BATCH|JOB")
+def cancel(target):
+    """Cancel the queued and running jobs of a batch, or one job.
+
+    \b
+    Example:
+      clipmill cancel ad-batch-20261129-210000
+      clipmill cancel 42
+    """
+    from jobs.operations import TargetError, cancel as do_cancel
+
+    try:
+        ids = do_cancel(_db(), target)
+    except TargetError as e:
+        raise click.ClickException(str(e))
+    out.print(f"cancelled {len(ids)} job(s)" + (f": {', '.join(map(str, ids))}" if ids else ""))
+
+
+@main.command()
+@click.argument("target", metavar="BATCH|JOB")
+@click.option("--failed", is_flag=True, help="Queue failed jobs again.")
+@click.option("--cancelled", is_flag=True, help="Queue cancelled jobs again.")
+def retry(target, failed, cancelled):
+    """Queue the failed (or cancelled) jobs of a batch, or one job, again for one more attempt.
+    In farm mode they are sent to the render queue.
+
+    \b
+    Example:
+      clipmill retry ad-batch-20261129-210000 --failed
+    """
+    from jobs.operations import TargetError, retry as do_retry
+
+    db = _db()
+    try:
+        ids = do_retry(db, target, failed=failed, cancelled=cancelled)
+    except TargetError as e:
+        raise click.ClickException(str(e))
+    out.print(f"queued {len(ids)} job(s) again" + (f": {', '.join(map(str, ids))}" if ids else ""))
+    _send_to_farm(db, ids)
+
+
 @main.command("submit")
 @click.argument("file", type=click.Path(dir_okay=False))
 @batch_options

@@ -142,6 +142,12 @@ def render_group(
             # the lease was taken back (or the job cancelled) while we rendered: drop our frames
             log.warning("attempt %s: job %s moved while rendering; result dropped", a.id, j.id)
             storage.delete(raw_key)
+            try:
+                with ctx.db.session() as s, s.begin():
+                    move_attempt(s, a.id, AttemptState.RENDERING, AttemptState.FAILED, finished_at=now(),
+                                 error="dropped: the job was cancelled or taken back while rendering")
+            except MoveConflict:
+                pass  # already closed by whoever took the job back
             continue
         done.append(a.id)
     return done

@@ -148,3 +148,58 @@ def test_kill_9_render_worker_mid_group_loses_and_duplicates_nothing(farm, tmp_p
     with db.session() as s:
         abandoned = s.scalars(select(Attempt).where(Attempt.error.like("abandoned:%"))).all()
     assert abandoned  # the killed group's attempts are kept, marked abandoned
+
+
+def test_redis_restart_mid_batch_then_reconcile_loses_nothing(pg_url, tmp_path, tiny_cache):
+    """A Redis of our own on a free port (no persistence), stopped mid-batch and started again
+    empty: the messages are gone, the job table is not, and reconcile sends the rest again."""
+    from services import free_port, need_program, wait_port
+
+    exe = need_program("redis-server", "redis-server")
+    port = free_port()
+
+    def redis_up():
+        p = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        wait_port(port, p)
+        return p
+
+    redis_proc = redis_up()
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url, CLIPMILL_BROKER_URL=f"redis://127.0.0.1:{port}/0",
+               CLIPMILL_DEVICE="cpu")
+    workers = []
+    db = Database(pg_url)
+    try:
+        for args in (("--queues", "render"), ("--queues", "post", "--concurrency", "2")):
+            log = open(tmp_path / f"w{len(workers)}.log", "w")
+            workers.append(subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", *args], env=env, cwd=tmp_path,
+                                            stdout=log, stderr=subprocess.STDOUT))
+        write_batch(tmp_path, 8)
+        subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "b.csv", "--batch", "b", "--out", str(tmp_path / "out"),
+                        "--size", "64", "--frames", "8", "--max-attempts", "1"], env=env, cwd=tmp_path, check=True,
+                       capture_output=True, timeout=300)
+        deadline = time.time() + 120
+        while time.time() < deadline:  # once the first group is done, pull the broker away
+            with db.session() as s:
+                if s.scalar(select(func.count()).select_from(Job).where(Job.state != "queued")):
+                    break
+            time.sleep(0.05)
+        redis_proc.terminate()
+        redis_proc.wait()
+        time.sleep(1)
+        redis_proc = redis_up()  # empty: every message in it is lost
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            subprocess.run([sys.executable, "-m", "jobs.cli", "reconcile", "--stale", "3"], env=env, cwd=tmp_path,
+                           capture_output=True, timeout=120)
+            with db.session() as s:
+                if s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(FINAL))) == 8:
+                    break
+            time.sleep(2)
+        wait_all_final(db, 8, timeout=5)
+        assert_exactly_once(db, tmp_path / "out")
+    finally:
+        for w in workers:
+            stop(w)
+        stop(redis_proc)
+        db.dispose()

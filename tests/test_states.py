@@ -129,3 +129,31 @@ def test_reclaim_takes_back_jobs_of_a_dead_worker(db, tmp_path):
     assert [j.state for j in jobs] == ["queued", "queued"]
     assert [a.state for a in attempts] == ["failed", "failed"]
     assert attempts[0].error == "abandoned: worker nohost.invalid:1 lost its lease"
+
+
+def test_cancel_and_retry_commands(db, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from jobs.cli import main
+    from jobs.operations import TargetError, cancel, retry
+
+    res = make_batch(db, tmp_path, rows=3)
+    a, b, c = res.job_ids
+    claim_group(db, "w", "b", size=1)  # a is rendering
+    with db.session() as s, s.begin():
+        move_job(s, b, JobState.QUEUED, JobState.RENDERING)
+        move_job(s, b, JobState.RENDERING, JobState.FAILED, error="boom")
+    assert cancel(db, str(c)) == [c]
+    assert cancel(db, "b") == [a]  # b failed, c already cancelled
+    assert retry(db, "b") == [b]
+    assert sorted(retry(db, "b", failed=False, cancelled=True)) == [a, c]
+    with db.session() as s:
+        assert [s.get(Job, j).state for j in (a, b, c)] == ["queued", "queued", "queued"]
+    with pytest.raises(TargetError, match="'nope': no batch or job of that name or id"):
+        cancel(db, "nope")
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", db.url)
+    monkeypatch.delenv("CLIPMILL_BROKER_URL", raising=False)
+    out = CliRunner().invoke(main, ["cancel", "b"])
+    assert out.exit_code == 0 and out.output.strip() == f"cancelled 3 job(s): {a}, {b}, {c}"
+    out = CliRunner().invoke(main, ["retry", "b"])
+    assert out.exit_code == 1 and "nothing to retry: give --failed and/or --cancelled" in out.output
