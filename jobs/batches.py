@@ -119,6 +119,7 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
                 elements=r.elements,
                 seed=r.seed,
                 tier=r.tier,
+                tier_requested=r.tier,
                 frames=r.frames,
                 fps=r.fps,
                 width=r.width,

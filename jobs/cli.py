@@ -380,6 +380,79 @@ def retry(target, failed, cancelled):
     _send_to_farm(db, ids)
 
 
+@main.command()
+@click.option("--deadline", required=True, help="HH:MM (next such local time), +SECONDS, or an ISO date-time.")
+@click.option("--out", "out_root", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT",
+              help="Storage root; the report goes to OUT/reports/nightly-DATE.{md,json}.")
+@click.option("--interval", type=float, default=30.0, show_default=True, help="Farm mode: seconds between checks.")
+@click.option("--group-size", type=click.IntRange(1, 16), default=4, show_default=True, help="Embedded mode: jobs per render call.")
+@click.option("--device", default=None, help="Embedded mode: torch device.")
+def nightly(deadline, out_root, interval, group_size, device):
+    """Drain the queue by a deadline, moving `quality` jobs to `fast` when the measured render
+    speed says the rest will not fit (and back when there is time), then write the morning
+    report (Markdown and JSON): clips produced, passed, rejected and failed, GPU-seconds per
+    passed clip, every tier change and why, every failure with its reason.
+
+    In farm mode (CLIPMILL_BROKER_URL set) it supervises the workers and runs reconcile;
+    otherwise it renders here. A Celery beat or cron entry can start it in the evening.
+
+    \b
+    Example:
+      clipmill nightly --deadline 07:00
+    """
+    import time as _time
+    from datetime import datetime as _dt, timedelta
+
+    from jobs.celery_app import broker_url
+    from jobs.nightly import Supervisor, parse_deadline, write_report
+    from storage import open_storage
+
+    try:
+        when = parse_deadline(deadline)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--deadline")
+    db = _db()
+    sup = Supervisor(db, when)
+    err.print(f"nightly run until {when.isoformat(timespec='minutes')} ({sup.time_left() / 3600:.1f} h)")
+    if broker_url():
+        from sqlalchemy import func, select
+
+        from jobs.dispatch import BrokerDown, reconcile as run_reconcile
+        from jobs.models import Attempt, Job
+        from jobs.nightly import OPEN
+
+        while sup.time_left() > 0:
+            try:
+                run_reconcile(db, stale_s=max(600.0, 4 * interval))
+            except BrokerDown as e:
+                err.print(f"[yellow]warning:[/] broker unreachable ({escape(str(e))}); retrying", soft_wrap=True)
+            with db.session() as s:
+                left = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(OPEN)))
+                since = _dt.now().astimezone() - timedelta(minutes=30)
+                workers = s.scalar(select(func.count(func.distinct(Attempt.worker))).where(Attempt.started_at >= since))
+            if not left:
+                break
+            sup.step(max(1, workers or 0))
+            _time.sleep(interval)
+    else:
+        from jobs.embedded import run_batch
+        from jobs.stages import WorkerContext
+
+        ctx = WorkerContext(db, device=device or _default_device())
+
+        def before_group() -> bool:
+            sup.step(1)
+            return sup.time_left() > 0
+
+        run_batch(ctx, None, group_size, before_group=before_group)
+    report = sup.report()
+    paths = write_report(report, open_storage(out_root), f"nightly-{report['started'][:10]}")
+    out.print(f"passed {report['passed']}, rejected {report['rejected']}, failed {report['failed']}, "
+              f"not finished {report['not_finished']}, tier changes {len(report['tier_changes'])}")
+    for p in paths:
+        out.print(f"report: {p}", soft_wrap=True)
+
+
 @main.command("submit")
 @click.argument("file", type=click.Path(dir_okay=False))
 @batch_options

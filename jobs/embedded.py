@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 from jobs.queue import claim_group, pending_post, reclaim, renew_lease, worker_name
 from jobs.stages import WorkerContext, post_attempt, render_group
@@ -40,11 +40,14 @@ class _Quiet:
 
 def run_batch(
     ctx: WorkerContext,
-    batch_id: str,
+    batch_id: str | None,
     group_size: int = 4,
     events: Events | None = None,
+    before_group: Callable[[], bool] | None = None,
 ) -> RunStats:
-    """Work a batch until no job of it is queued, rendering or waiting for post-processing."""
+    """Work a batch (every batch if None) until no job of it is queued, rendering or waiting
+    for post-processing. ``before_group()`` runs before each claim; returning False stops
+    rendering (post-processing of what was rendered still finishes)."""
     if not 1 <= group_size <= 16:
         raise ValueError(f"group_size={group_size}: allowed 1 to 16")
     ev = events or _Quiet()
@@ -61,6 +64,8 @@ def run_batch(
         for attempt_id in pending_post(ctx.db, batch_id):  # rendered before a crash, not yet checked
             futures.append(pool.submit(post, attempt_id))
         while True:
+            if before_group is not None and not before_group():
+                break
             claimed = claim_group(ctx.db, me, batch_id, group_size)
             if not claimed:
                 running = [f for f in futures if not f.done()]

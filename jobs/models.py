@@ -50,7 +50,8 @@ class Job(Base):
     negative_prompt: Mapped[str] = mapped_column(Text, default="")
     elements: Mapped[dict] = mapped_column(JSON, default=dict)  # subject/action/scene/camera
     seed: Mapped[int] = mapped_column(BigInteger)
-    tier: Mapped[str] = mapped_column(String(16))
+    tier: Mapped[str] = mapped_column(String(16))  # the tier its next attempt renders at
+    tier_requested: Mapped[str | None] = mapped_column(String(16), nullable=True)  # what the batch file asked for
     frames: Mapped[int] = mapped_column(Integer)
     fps: Mapped[int] = mapped_column(Integer)
     width: Mapped[int] = mapped_column(Integer)

@@ -1,0 +1,159 @@
+"""Nightly runs: drain the queue by a deadline, with the adaptive tier scheduler, and write the
+morning report.
+
+Between groups it feeds the scheduler the groups rendered since it last looked (seconds per
+denoising step, per worker, from the attempts' timings), asks whether the remaining work fits,
+and sets the tier of queued jobs that asked for `quality` to what the scheduler chose. Every
+decision that changed the tier is logged and goes into the report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import func, select, update
+
+from jobs.db import Database
+from jobs.models import Attempt, Job
+from jobs.scheduler import Decision, SchedulerConfig, TierScheduler
+from jobs.states import JobState
+
+log = logging.getLogger("clipmill.nightly")
+OPEN = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
+
+
+def parse_deadline(text: str, now: datetime | None = None) -> datetime:
+    """``HH:MM`` (the next such local time), ``+SECONDS``, or an ISO date-time."""
+    now = now or datetime.now().astimezone()
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})", text.strip())
+    if m:
+        h, mi = int(m.group(1)), int(m.group(2))
+        if h > 23 or mi > 59:
+            raise ValueError(f"--deadline {text!r}: not a time of day; allowed HH:MM, +SECONDS or an ISO date-time")
+        at = now.replace(hour=h, minute=mi, second=0, microsecond=0)
+        return at if at > now else at + timedelta(days=1)
+    if re.fullmatch(r"\+\d+(\.\d+)?", text.strip()):
+        return now + timedelta(seconds=float(text.strip()[1:]))
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"--deadline {text!r}: allowed HH:MM, +SECONDS or an ISO date-time")
+    return at if at.tzinfo else at.astimezone()
+
+
+@dataclass
+class Supervisor:
+    db: Database
+    deadline: datetime
+    cfg: SchedulerConfig = field(default_factory=SchedulerConfig)
+    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    scheduler: TierScheduler = field(init=False)
+    seen_groups: set = field(default_factory=set)
+    changes: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.scheduler = TierScheduler(self.cfg)
+
+    def time_left(self) -> float:
+        return (self.deadline - datetime.now(timezone.utc)).total_seconds()
+
+    def feed(self) -> int:
+        """Record every group rendered since the run started that the scheduler has not seen."""
+        with self.db.session() as s:
+            rows = s.execute(
+                select(Attempt.group_id, Attempt.worker, Attempt.steps, Attempt.group_size, Attempt.timings)
+                .where(Attempt.started_at >= self.started, Attempt.group_id.is_not(None))
+            ).all()
+        groups: dict = {}
+        for gid, worker, steps, size, timings in rows:
+            if gid in self.seen_groups or not timings or "denoise_s" not in timings:
+                continue
+            g = groups.setdefault(gid, {"worker": worker, "steps": steps, "clips": 0, "seconds": 0.0})
+            g["clips"] += 1
+            g["seconds"] += float(timings["denoise_s"])  # each attempt holds its share of the group
+        for gid, g in groups.items():
+            self.scheduler.record(g["worker"] or "?", g["seconds"], g["steps"], g["clips"])
+            self.seen_groups.add(gid)
+        return len(groups)
+
+    def step(self, workers: int = 1) -> Decision:
+        """Measure, decide, apply. Called before each group (embedded) or periodically (farm)."""
+        self.feed()
+        with self.db.session() as s:
+            q = s.scalar(select(func.count()).select_from(Job).where(
+                Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "quality"))
+            f = s.scalar(select(func.count()).select_from(Job).where(
+                Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "fast"))
+        d = self.scheduler.decide(max(self.time_left(), 0.0), q, f, workers)
+        with self.db.session() as s, s.begin():
+            s.execute(update(Job).where(
+                Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "quality",
+                Job.tier != d.tier).values(tier=d.tier).execution_options(synchronize_session=False))
+        if d.changed or d.will_miss:
+            entry = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "tier": d.tier,
+                     "reason": d.reason, "time_left_s": round(d.time_left_s, 1), "will_miss": d.will_miss}
+            if not self.changes or self.changes[-1]["tier"] != d.tier or d.changed:
+                self.changes.append(entry)
+                log.warning("nightly: %s", entry)
+        return d
+
+    def report(self) -> dict:
+        with self.db.session() as s:
+            attempts = s.scalars(select(Attempt).where(Attempt.started_at >= self.started)).all()
+            job_ids = {a.job_id for a in attempts}
+            jobs = s.scalars(select(Job).where(Job.id.in_(job_ids))).all() if job_ids else []
+            still_open = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(OPEN)))
+        passed = [j for j in jobs if j.state in ("passed", "approved", "declined")]
+        render_s = sum(float((a.timings or {}).get("render_s", 0.0)) for a in attempts)
+        failures = [{"job": j.id, "batch": j.batch_id, "line": j.line, "state": j.state,
+                     "reason": j.error or "; ".join(next((a.reasons or [] for a in reversed(attempts) if a.job_id == j.id), []))}
+                    for j in jobs if j.state in ("failed", "rejected")]
+        return {
+            "started": self.started.isoformat(timespec="seconds"),
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "deadline": self.deadline.astimezone(timezone.utc).isoformat(timespec="seconds"),
+            "clips_produced": sum(1 for a in attempts if a.state in ("passed", "rejected")),
+            "attempts": len(attempts),
+            "passed": len(passed),
+            "rejected": sum(1 for j in jobs if j.state == "rejected"),
+            "failed": sum(1 for j in jobs if j.state == "failed"),
+            "not_finished": still_open,
+            "gpu_seconds_per_passed_clip": round(render_s / len(passed), 3) if passed else None,
+            "render_seconds": round(render_s, 3),
+            "tier_changes": self.changes,
+            "failures": failures,
+        }
+
+
+def report_markdown(r: dict) -> str:
+    lines = [
+        f"# clipmill nightly report, {r['started'][:10]}",
+        "",
+        f"Run {r['started']} to {r['finished']}, deadline {r['deadline']}.",
+        "",
+        "| clips produced | passed | rejected | failed | not finished | GPU-seconds per passed clip |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {r['clips_produced']} | {r['passed']} | {r['rejected']} | {r['failed']} | {r['not_finished']} | "
+        f"{r['gpu_seconds_per_passed_clip'] if r['gpu_seconds_per_passed_clip'] is not None else '-'} |",
+        "",
+        "## Tier changes",
+        "",
+    ]
+    lines += [f"- {c['at']}: {c['tier']} ({c['reason']})" for c in r["tier_changes"]] or ["- none: every job ran at its own tier"]
+    lines += ["", "## Failures and rejects", ""]
+    lines += [f"- job {f['job']} ({f['batch']}, line {f['line']}) {f['state']}: {f['reason']}" for f in r["failures"]] or ["- none"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(r: dict, storage, name: str) -> list[str]:
+    return [
+        storage.put_bytes(f"reports/{name}.json", json.dumps(r, indent=2, ensure_ascii=False).encode()),
+        storage.put_bytes(f"reports/{name}.md", report_markdown(r).encode()),
+    ]
+
+
+

@@ -1,0 +1,90 @@
+"""`clipmill nightly` end to end on the tiny model (embedded), and deadline parsing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import select
+
+from jobs.db import Database
+from jobs.models import Attempt, Job
+from jobs.nightly import parse_deadline
+
+
+def test_parse_deadline():
+    now = datetime(2026, 11, 29, 22, 0, tzinfo=timezone.utc)
+    assert parse_deadline("07:00", now) == datetime(2026, 11, 30, 7, 0, tzinfo=timezone.utc)
+    assert parse_deadline("23:30", now) == datetime(2026, 11, 29, 23, 30, tzinfo=timezone.utc)
+    assert parse_deadline("+90", now) == now + timedelta(seconds=90)
+    with pytest.raises(ValueError, match="--deadline '25:00': not a time of day"):
+        parse_deadline("25:00", now)
+    with pytest.raises(ValueError, match="--deadline 'soon': allowed HH:MM, \\+SECONDS or an ISO date-time"):
+        parse_deadline("soon", now)
+
+
+def run(env, cwd, *args):
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_nightly_drains_the_queue_and_writes_the_morning_report(sqlite_url, tmp_path):
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url)
+    env.pop("CLIPMILL_BROKER_URL", None)
+    (tmp_path / "n.csv").write_text("prompt,tier\n" + "".join(f'"dish {i}, orbit",quality\n' for i in range(6)))
+    run(env, tmp_path, "submit", "n.csv", "--batch", "n", "--out", str(tmp_path / "out"), "--size", "64", "--frames", "8",
+        "--max-attempts", "1")
+    res = run(env, tmp_path, "nightly", "--deadline", "+3600", "--out", str(tmp_path / "out"))
+    assert "not finished 0" in res.stdout
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    report = json.loads((tmp_path / "out" / "reports" / f"nightly-{day}.json").read_text())
+    assert report["attempts"] == 6 and report["clips_produced"] == 6 and report["not_finished"] == 0
+    assert report["passed"] + report["rejected"] + report["failed"] == 6
+    assert report["tier_changes"] == []  # an hour is plenty: every job kept its quality tier
+    assert len(report["failures"]) == report["rejected"] + report["failed"]
+    md = (tmp_path / "out" / "reports" / f"nightly-{day}.md").read_text()
+    assert md.startswith(f"# clipmill nightly report, {day}") and "## Tier changes" in md
+    db = Database(sqlite_url)
+    with db.session() as s:
+        assert {a.tier for a in s.scalars(select(Attempt))} == {"quality"}
+    db.dispose()
+
+
+def test_supervisor_moves_queued_quality_jobs_to_fast_and_back(db, tmp_path):
+    """Groups measured at 1 s per step per clip; 20 quality jobs queued: with 100 s left they
+    do not fit at quality (160 s) but do at fast (120 s > 100: even fast is short: will_miss),
+    with an hour left they all go back to quality."""
+    from jobs.batches import SubmitOptions, submit
+    from jobs.nightly import Supervisor
+    from jobs.queue import claim_group
+
+    f = tmp_path / "q.csv"
+    f.write_text("prompt,tier\n" + "".join(f'"dish {i}, orbit",quality\n' for i in range(24)))
+    submit(db, f, SubmitOptions(batch="q", out=str(tmp_path / "out")))
+    sup = Supervisor(db, datetime.now(timezone.utc) + timedelta(seconds=100))
+    claimed = claim_group(db, "gpu-host:1", "q", size=4)  # one group of 4, "rendered" in 32 s
+    with db.session() as s, s.begin():
+        for c in claimed:
+            s.get(Attempt, c.attempt_id).timings = {"denoise_s": 8.0, "render_s": 8.5}
+    d = sup.step(workers=1)
+    assert d.tier == "fast" and d.changed and d.will_miss > 0
+    with db.session() as s:
+        queued = s.scalars(select(Job).where(Job.state == "queued")).all()
+    assert len(queued) == 20 and {(j.tier, j.tier_requested) for j in queued} == {("fast", "quality")}
+    assert sup.changes[0]["tier"] == "fast" and "will not finish" in sup.changes[0]["reason"]
+
+    sup.deadline = datetime.now(timezone.utc) + timedelta(hours=1)
+    sup.scheduler.groups_since_switch = sup.cfg.hold_groups  # the hold has passed
+    d = sup.step(workers=1)
+    assert d.tier == "quality" and d.changed
+    with db.session() as s:
+        assert {j.tier for j in s.scalars(select(Job).where(Job.state == "queued"))} == {"quality"}
+    report = sup.report()
+    assert [c["tier"] for c in report["tier_changes"]] == ["fast", "quality"]
+    assert report["attempts"] == 4 and report["not_finished"] == 24
