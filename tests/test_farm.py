@@ -81,6 +81,18 @@ def wait_all_final(db, n, timeout=240):
     raise AssertionError(f"not all jobs finished in {timeout} s: {states}")
 
 
+def reconcile_until_final(db, n, reconcile, timeout=240):
+    """Run ``reconcile()`` every 2 s until all ``n`` jobs are final."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        reconcile()
+        with db.session() as s:
+            if s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(FINAL))) == n:
+                return
+        time.sleep(2)
+    wait_all_final(db, n, timeout=1)  # raises with the states
+
+
 def assert_exactly_once(db, out):
     """Every job finished once: its attempts are numbered 1..n without gaps or twins, the last
     one decided the job's state, and the clips on disk are exactly those of checked attempts
@@ -136,14 +148,8 @@ def test_kill_9_render_worker_mid_group_loses_and_duplicates_nothing(farm, tmp_p
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     start("--queues", "render")
-    deadline = time.time() + 240
-    while time.time() < deadline:  # reconcile takes back the dead worker's jobs and sends them again
-        cli("reconcile", "--stale", "5")
-        with db.session() as s:
-            if s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(FINAL))) == 6:
-                break
-        time.sleep(2)
-    wait_all_final(db, 6, timeout=5)
+    # reconcile takes back the dead worker's jobs and sends them again
+    reconcile_until_final(db, 6, lambda: cli("reconcile", "--stale", "5"))
     assert_exactly_once(db, tmp_path / "out")
     with db.session() as s:
         abandoned = s.scalars(select(Attempt).where(Attempt.error.like("abandoned:%"))).all()
@@ -188,15 +194,9 @@ def test_redis_restart_mid_batch_then_reconcile_loses_nothing(pg_url, tmp_path, 
         redis_proc.wait()
         time.sleep(1)
         redis_proc = redis_up()  # empty: every message in it is lost
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            subprocess.run([sys.executable, "-m", "jobs.cli", "reconcile", "--stale", "3"], env=env, cwd=tmp_path,
-                           capture_output=True, timeout=120)
-            with db.session() as s:
-                if s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(FINAL))) == 8:
-                    break
-            time.sleep(2)
-        wait_all_final(db, 8, timeout=5)
+        reconcile_until_final(db, 8, lambda: subprocess.run(
+            [sys.executable, "-m", "jobs.cli", "reconcile", "--stale", "3"], env=env, cwd=tmp_path,
+            capture_output=True, timeout=120))
         assert_exactly_once(db, tmp_path / "out")
     finally:
         for w in workers:
