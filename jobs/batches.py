@@ -163,6 +163,24 @@ def list_batches(db: Database) -> list[dict]:
         return out
 
 
+def progress(jobs: list[Job], attempts: list[Attempt]) -> dict:
+    """Done and open jobs, and an ETA from the batch's own pace so far (jobs done per second
+    since its first attempt started)."""
+    open_states = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
+    n_open = sum(1 for j in jobs if j.state in open_states)
+    done = len(jobs) - n_open
+    eta = elapsed = None
+    if attempts:
+        first = min(a.started_at for a in attempts)
+        if first.tzinfo is None:
+            first = first.replace(tzinfo=timezone.utc)
+        elapsed = (datetime.now(timezone.utc) - first).total_seconds()
+        if done and n_open and elapsed > 0:
+            eta = n_open * elapsed / done
+    return {"done": done, "open": n_open, "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
+            "eta_s": round(eta, 1) if eta is not None else None}
+
+
 def batch_status(db: Database, batch_id: str) -> dict:
     """One batch: its counts and every job with its attempts."""
     with db.session() as s:
@@ -224,6 +242,7 @@ def batch_status(db: Database, batch_id: str) -> dict:
             )
         states = {st.value: sum(1 for j in jobs if j.state == st.value) for st in JobState}
         return {
+            "progress": progress(jobs, attempts),
             "max_attempts": batch.max_attempts,
             "passed_on_retry": sum(r["passed_on_retry"] for r in rows),
             "out_of_attempts": sum(r["out_of_attempts"] for r in rows),

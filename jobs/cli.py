@@ -474,18 +474,48 @@ def submit_cmd(file, opts: SubmitOptions):
     out.print(res.batch_id)
 
 
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
 @main.command()
 @click.argument("batch", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(batch, as_json):
-    """Show batches, or one BATCH's jobs with their attempts, verdicts and files.
+@click.option("--watch", type=click.FloatRange(0.5, 3600), default=None, metavar="SECONDS",
+              help="With BATCH: print progress and ETA every SECONDS until no job is open.")
+def status(batch, as_json, watch):
+    """Show batches, or one BATCH's jobs with their attempts, verdicts and files, its progress
+    and an ETA from its own pace so far.
 
     \b
     Example:
       clipmill status
       clipmill status ad-batch-20261129-210000 --json
+      clipmill status ad-batch-20261129-210000 --watch 10
     """
     db = _db()
+    if watch is not None:
+        if batch is None:
+            raise click.UsageError("--watch needs a BATCH")
+        import time as _time
+
+        while True:
+            try:
+                st = batch_status(db, batch)
+            except SubmitError as e:
+                raise click.ClickException(str(e))
+            p = st["progress"]
+            s = st["states"]
+            out.print(f"{batch}: {p['done']}/{st['jobs']} done (passed {s['passed']}, rejected {s['rejected']}, "
+                      f"failed {s['failed']}), {p['open']} open, elapsed {_duration(p['elapsed_s'])}, "
+                      f"ETA {_duration(p['eta_s'])}", soft_wrap=True)
+            if not p["open"]:
+                return
+            _time.sleep(watch)
     if batch is None:
         rows = list_batches(db)
         if as_json:
@@ -524,6 +554,9 @@ def status(batch, as_json):
     s = st["states"]
     out.print(" ".join(f"{k}={v}" for k, v in s.items() if v)
               + f"; passed on a retry: {st['passed_on_retry']}; out of attempts: {st['out_of_attempts']}")
+    p = st["progress"]
+    out.print(f"progress: {p['done']}/{st['jobs']} done, {p['open']} open, elapsed {_duration(p['elapsed_s'])}, "
+              f"ETA {_duration(p['eta_s'])}")
 
 
 @main.command()

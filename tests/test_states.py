@@ -157,3 +157,28 @@ def test_cancel_and_retry_commands(db, tmp_path, monkeypatch):
     assert out.exit_code == 0 and out.output.strip() == f"cancelled 3 job(s): {a}, {b}, {c}"
     out = CliRunner().invoke(main, ["retry", "b"])
     assert out.exit_code == 1 and "nothing to retry: give --failed and/or --cancelled" in out.output
+
+
+def test_status_progress_and_eta(db, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from jobs.batches import batch_status
+    from jobs.cli import main
+
+    make_batch(db, tmp_path, rows=4)
+    claimed = claim_group(db, "w", "b", size=2)
+    with db.session() as s, s.begin():
+        for c in claimed:
+            s.get(Attempt, c.attempt_id).started_at = s.get(Attempt, c.attempt_id).started_at.replace(year=2020)
+            move_job(s, c.job_id, JobState.RENDERING, JobState.FAILED)
+    p = batch_status(db, "b")["progress"]
+    assert (p["done"], p["open"]) == (2, 2)
+    assert p["eta_s"] == pytest.approx(p["elapsed_s"], rel=0.01)  # two done in elapsed: two more take as long
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", db.url)
+    out = CliRunner().invoke(main, ["status", "b"])
+    assert out.exit_code == 0 and "progress: 2/4 done, 2 open, elapsed " in out.output
+    with db.session() as s, s.begin():
+        for j in s.scalars(select(Job).where(Job.state == "queued")):
+            move_job(s, j.id, JobState.QUEUED, JobState.CANCELLED)
+    out = CliRunner().invoke(main, ["status", "b", "--watch", "1"])
+    assert out.exit_code == 0 and "b: 4/4 done (passed 0, rejected 0, failed 2), 0 open" in out.output
