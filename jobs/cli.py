@@ -141,8 +141,9 @@ def _send_to_farm(db, job_ids: list[int]) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="clipmill")
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
-def main(verbose: int) -> None:
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.option("--log-json", is_flag=True, envvar="CLIPMILL_LOG_JSON", help="Log one JSON object per line, with batch/job/attempt ids.")
+def main(verbose: int, log_json: bool) -> None:
     """Bulk-render short ad clips from prompt batches, check them, and store them.
 
     \b
@@ -152,8 +153,9 @@ def main(verbose: int) -> None:
 
     The job table is SQLite at ./clipmill.db unless CLIPMILL_DATABASE_URL says otherwise.
     """
-    level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+    from jobs.logs import setup
+
+    setup(max(logging.WARNING - 10 * verbose, logging.DEBUG), log_json)
 
 
 def _qc_config(config: str | None, sets: tuple[str, ...]):

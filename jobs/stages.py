@@ -22,6 +22,7 @@ import numpy as np
 from sqlalchemy import select
 
 from jobs.db import Database
+from jobs.logs import ids
 from jobs.models import Attempt, Batch, Job
 from jobs.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from pipeline.models import model_info
@@ -116,12 +117,15 @@ def render_group(
         )
         for a, j, _ in rows
     ]
+    for a, j, _ in rows:
+        log.info("rendering %s steps at %s in a group of %s", a.steps, a.tier, len(rows),
+                 extra=ids(j, a, group=a.group_id, worker=a.worker))
     try:
         renderer = ctx.renderer(batch.model)
         results = renderer.render(requests, settings, callback)
     except Exception:  # a render error fails every attempt in the group; jobs retry if they can
         err = traceback.format_exc()
-        log.error("render failed for attempts %s: %s", attempt_ids, err.splitlines()[-1])
+        log.error("render failed: %s", err.splitlines()[-1], extra=ids(batch=batch.id, group=first_attempt.group_id))
         for a, _, _ in rows:
             _fail(ctx.db, a.id, err)
         return []
@@ -140,7 +144,7 @@ def render_group(
                 move_job(s, j.id, JobState.RENDERING, JobState.POST)
         except MoveConflict:
             # the lease was taken back (or the job cancelled) while we rendered: drop our frames
-            log.warning("attempt %s: job %s moved while rendering; result dropped", a.id, j.id)
+            log.warning("the job moved while rendering; result dropped", extra=ids(j, a))
             storage.delete(raw_key)
             try:
                 with ctx.db.session() as s, s.begin():
@@ -233,7 +237,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         )
     except Exception:
         err = traceback.format_exc()
-        log.error("post-processing failed for attempt %s: %s", attempt_id, err.splitlines()[-1])
+        log.error("post-processing failed: %s", err.splitlines()[-1], extra=ids(job, a))
         _fail(ctx.db, attempt_id, err)
         return None
 
@@ -255,7 +259,9 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
                     lease_owner=None, lease_expires_at=None,
                 )
     except MoveConflict:
-        log.warning("attempt %s: moved by another process during post-processing", attempt_id)
+        log.warning("moved by another process during post-processing", extra=ids(job, a))
         return None
     storage.delete(a.raw_key)
+    log.info("%s%s: %s", result.verdict, " (retry queued)" if retry else "", "; ".join(result.reasons) or "clean",
+             extra=ids(job, a))
     return result.verdict

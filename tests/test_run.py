@@ -139,8 +139,12 @@ def test_qc_reject_is_retried_at_quality_tier_with_a_new_seed(sqlite_url, tmp_pa
     from jobs.queue import attempt_seed
 
     (tmp_path / "r.csv").write_text('prompt,seed,tier\n"a bowl of ramen, orbit",7,fast\n')
-    clipmill("run", "r.csv", "--batch", "r", "--out", str(tmp_path / "out"), "--size", "64", "--frames", "8",
-             "--max-attempts", "2", db_url=sqlite_url, cwd=tmp_path)
+    proc = clipmill("--log-json", "-v", "run", "r.csv", "--batch", "r", "--out", str(tmp_path / "out"), "--size", "64",
+                    "--frames", "8", "--max-attempts", "2", db_url=sqlite_url, cwd=tmp_path)
+    logs = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    verdicts = [r for r in logs if r["logger"] == "clipmill.stages" and r["msg"].startswith("reject")]
+    assert [(r["batch"], r["attempt"]) for r in verdicts] == [("r", 1), ("r", 2)]  # structured, with ids
+    assert verdicts[0]["msg"].startswith("reject (retry queued): ")
     db = Database(sqlite_url)
     with db.session() as s:
         job = s.scalars(select(Job)).one()
