@@ -49,7 +49,7 @@ class SubmitResult:
 
 @lru_cache(maxsize=4)
 def _token_counter(path: str):
-    info = model_info(path) if path != "tiny" else model_info("tiny")
+    info = model_info(path)
     tok = load_tokenizer(info)
     return lambda text: len(tok(text, add_special_tokens=True, truncation=False).input_ids)
 

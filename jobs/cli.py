@@ -251,7 +251,7 @@ def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg):
                 progress.advance(qc_t, 1)
 
         try:
-            stats = run_batch(ctx, batch_id, group_size, Ev())
+            run_batch(ctx, batch_id, group_size, Ev())
         except ModelError as e:
             raise click.ClickException(str(e))
     wall = time.perf_counter() - t0

@@ -226,12 +226,6 @@ def template_fields(template: str) -> list[str]:
 # -- validating one row -------------------------------------------------------------------------
 
 
-def _text(v: object) -> str | None:
-    if isinstance(v, str):
-        return v
-    return None
-
-
 def _int(v: object) -> int | None:
     if isinstance(v, bool):
         return None

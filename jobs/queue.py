@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import select, update
 
 from jobs.db import Database
 from jobs.models import Attempt, Batch, Job
@@ -196,19 +196,3 @@ def pending_post(db: Database, batch_id: str | None = None) -> list[int]:
         if batch_id is not None:
             q = q.where(Job.batch_id == batch_id)
         return list(s.scalars(q.order_by(Attempt.id)))
-
-
-def open_jobs(db: Database, batch_id: str) -> int:
-    with db.session() as s:
-        return len(
-            s.scalars(
-                select(Job.id).where(
-                    Job.batch_id == batch_id,
-                    or_(
-                        Job.state == JobState.QUEUED.value,
-                        Job.state == JobState.RENDERING.value,
-                        Job.state == JobState.POST.value,
-                    ),
-                )
-            ).all()
-        )

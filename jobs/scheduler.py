@@ -11,7 +11,6 @@ finish. Pure logic: the caller feeds measurements and applies decisions.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median

@@ -157,7 +157,7 @@ def render_group(
     return done
 
 
-def sidecar(job: Job, attempt: Attempt, batch: Batch, fps_in: float, frames_out: int, qc: dict, files: dict, timings: dict) -> dict:
+def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict, files: dict, timings: dict) -> dict:
     return {
         "batch": job.batch_id,
         "job": job.id,
@@ -233,7 +233,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         qc = result.to_dict()
         storage.put_bytes(
             files["sidecar"],
-            json.dumps(sidecar(job, a, batch, fps_in, len(decoded), qc, files, timings), ensure_ascii=False, indent=2).encode(),
+            json.dumps(sidecar(job, a, fps_in, len(decoded), qc, files, timings), ensure_ascii=False, indent=2).encode(),
         )
     except Exception:
         err = traceback.format_exc()

@@ -58,11 +58,6 @@ ATTEMPT_MOVES: dict[AttemptState, frozenset[AttemptState]] = {
     AttemptState.FAILED: frozenset(),
 }
 
-FINAL_JOB_STATES = frozenset(
-    {JobState.PASSED, JobState.REJECTED, JobState.FAILED, JobState.CANCELLED, JobState.APPROVED, JobState.DECLINED}
-)
-
-
 class IllegalMove(ValueError):
     """A move that the state table does not allow."""
 

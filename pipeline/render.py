@@ -16,9 +16,6 @@ import torch
 from pipeline.models import ModelInfo, load_pipeline
 from pipeline.sampler import TIERS, make_scheduler, sample
 
-MAX_SEED = 2**32 - 1
-
-
 @dataclass(frozen=True)
 class ClipRequest:
     """One clip to render. ``key`` is the caller's handle, returned unchanged."""

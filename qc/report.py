@@ -29,7 +29,6 @@ def contact_sheet(frames: np.ndarray, series: Series, result: QCResult, samples:
         cv2.putText(row, f"frame {i}", (k * tile_w + 4, tile_h + 13), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (220, 220, 220), 1)
     plot_h = 200
     plot = np.full((plot_h, width, 3), 24, np.uint8)
-    m = len(series.ssim)
     for j, (name, attr, colour, rng) in enumerate(CURVES):
         y = np.asarray(getattr(series, attr), dtype=np.float64)
         if len(y) < 2:

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from sqlalchemy import select
 
 from jobs.db import Database
 from jobs.models import Attempt, Job
-from pipeline.video import decode, probe
+from pipeline.video import probe
 
 BATCH = (
     "id,dish,store,subject,action,scene,camera,fps,seed\n"
