@@ -14,7 +14,7 @@ from jobs.db import Database
 from jobs.models import Attempt, Batch, Job
 from jobs.prompts import BatchFile, BatchInvalid, Defaults, read_batch
 from jobs.states import JobState
-from pipeline.models import ModelInfo, load_tokenizer, model_info
+from pipeline.models import TINY_MODELS, ModelInfo, load_tokenizer, model_info
 from pipeline.sampler import SAMPLERS
 
 BATCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
@@ -90,6 +90,9 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
     if not 1 <= opts.max_attempts <= 10:
         raise SubmitError(f"--max-attempts {opts.max_attempts}: out of range; allowed: 1 to 10")
     info, batch_file = check_file(path, opts)
+    if opts.sampler is not None and info.family == "wan":
+        raise SubmitError(f"--sampler {opts.sampler!r}: the wan model {opts.model!r} samples with 'flow' (flow-matching "
+                          "Euler); leave --sampler out")
     if batch_file.errors and (not opts.skip_invalid or not batch_file.rows):
         raise BatchInvalid(batch_file)
     with db.session() as session, session.begin():
@@ -98,7 +101,7 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
             Batch(
                 id=name,
                 source=str(path),
-                model=opts.model if opts.model == "tiny" else str(Path(opts.model).expanduser().resolve()),
+                model=opts.model if opts.model in TINY_MODELS else str(Path(opts.model).expanduser().resolve()),
                 sampler=opts.sampler or info.scheduler,
                 guidance=opts.guidance,
                 out=str(Path(opts.out).expanduser().resolve()) if "://" not in opts.out else opts.out,

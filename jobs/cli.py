@@ -6,6 +6,7 @@ Domain errors become ``click.ClickException`` here and nowhere else.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from rich.table import Table
 
 from jobs.batches import SubmitError, SubmitOptions, SubmitResult, batch_status, check_file, list_batches, submit
 from jobs.prompts import BatchFile, BatchInvalid, Defaults, parse_size
-from pipeline.models import TINY, TINY_WARNING, ModelError
+from pipeline.models import TINY, TINY_MODELS, TINY_WARNING, ModelError
 from pipeline.sampler import SAMPLERS, TIERS
 
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -38,28 +39,33 @@ def batch_options(fn):
     """Options shared by run, submit and prompts check."""
 
     @click.option("--model", default=TINY, show_default=True, envvar="CLIPMILL_MODEL",
-                  help="'tiny' (random weights, smoke runs only) or a local diffusers AnimateDiff folder.")
+                  help="'tiny' or 'tiny-wan' (random weights, smoke runs only), or a local diffusers AnimateDiff or Wan folder.")
     @click.option("--template", default=None,
                   help='Build each prompt from columns, e.g. "{dish} on a table in {store}, {camera}".')
     @click.option("--truncate", is_flag=True, help="Cut prompts longer than the tokenizer's limit instead of refusing them.")
     @click.option("--tier", type=click.Choice(list(TIERS)), default="fast", show_default=True,
                   help="Tier for rows without a tier column: fast = 6 steps, quality = 8 steps.")
-    @click.option("--frames", type=int, default=16, show_default=True, help="Frames to render, for rows without frames.")
+    @click.option("--frames", type=int, default=None,
+                  help="Frames to render, for rows without frames [default: the model's, 16 for AnimateDiff, 17 for Wan].")
     @click.option("--fps", type=int, default=30, show_default=True, help="Output frame rate, for rows without fps.")
     @click.option("--size", default=None, help="WIDTHxHEIGHT for rows without size [default: the model's].")
     @functools.wraps(fn)
     def wrapper(*args, model, template, truncate, tier, frames, fps, size, **kwargs):
         opts = SubmitOptions(model=model, template=template, truncate=truncate)
         size_t = None
-        if size is not None:
+        if size is not None or frames is not None:
             try:
                 from pipeline.models import model_info
 
-                size_t, msg = parse_size(size, model_info(model))
+                info = model_info(model)
             except ModelError as e:
                 raise click.ClickException(str(e))
-            if msg:
-                raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
+            if size is not None:
+                size_t, msg = parse_size(size, info)
+                if msg:
+                    raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
+            if frames is not None and (msg := info.check_frames(frames)):
+                raise click.BadParameter(f"{frames}: {msg}", param_hint="--frames")
         opts.defaults = Defaults(tier=tier, frames=frames, fps=fps, size=size_t)
         return fn(*args, opts=opts, **kwargs)
 
@@ -88,8 +94,8 @@ def submit_options(fn):
 
 
 def _warn_model(opts: SubmitOptions) -> None:
-    if opts.model == TINY:
-        err.print(f"[yellow]warning:[/] {TINY_WARNING}", soft_wrap=True)
+    if opts.model in TINY_MODELS:
+        err.print(f"[yellow]warning:[/] {TINY_WARNING.format(name=opts.model)}", soft_wrap=True)
     if opts.guidance > 6.0:
         err.print(
             f"[yellow]warning:[/] --guidance {opts.guidance:g}: distilled few-step models over-expose "
@@ -194,7 +200,15 @@ def qc_config_options(fn):
 @batch_options
 @submit_options
 @qc_config_options
-def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg):
+@click.option("--feature-cache/--no-feature-cache", default=False, envvar="CLIPMILL_FEATURE_CACHE", show_default=True,
+              help="Approximate step-feature caching (DeepCache on AnimateDiff, FirstBlockCache on Wan); see README.")
+@click.option("--guidance-mode", type=click.Choice(["cfg", "rcfg-self", "rcfg-onetime"]), default="cfg",
+              envvar="CLIPMILL_GUIDANCE_MODE", show_default=True, help="How guidance above 1.0 is computed.")
+@click.option("--decoder", type=click.Choice(["vae", "tiny"]), default="vae", envvar="CLIPMILL_DECODER", show_default=True,
+              help="tiny: the model folder's AutoencoderTiny (vae_tiny/), faster and rougher.")
+@click.option("--compile", "compile_how", type=click.Choice(["none", "torch", "tensorrt"]), default="none",
+              envvar="CLIPMILL_COMPILE", show_default=True, help="Compile the denoiser (GPU only).")
+def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg, feature_cache, guidance_mode, decoder, compile_how):
     """Submit FILE and render, post-process and QC it in this process.
 
     Exits 0 when the batch completed, even if QC rejected clips; 1 on bad input.
@@ -219,10 +233,13 @@ def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg):
         info = batch_status(db, batch_id)
     except SubmitError as e:
         raise click.ClickException(str(e))
-    if resume is not None and info["model"] == TINY:
-        err.print(f"[yellow]warning:[/] {TINY_WARNING}", soft_wrap=True)
+    if resume is not None and info["model"] in TINY_MODELS:
+        err.print(f"[yellow]warning:[/] {TINY_WARNING.format(name=info['model'])}", soft_wrap=True)
     device = device or _default_device()
-    ctx = WorkerContext(db, device=device, qc_config=qc_cfg)
+    from pipeline.render import RenderOptions
+
+    ctx = WorkerContext(db, device=device, qc_config=qc_cfg, guidance_mode=guidance_mode,
+                        render_options=RenderOptions(feature_cache=feature_cache, decoder=decoder, compile=compile_how))
     todo = sum(info["states"][s] for s in ("queued", "rendering", "post"))
     t0 = time.perf_counter()
     with Progress(
@@ -704,6 +721,78 @@ def _interp_bench(as_json: bool) -> None:
     out.print(f"mean gain: {res['mean_gain_vs_linear']:+.2f} dB over linear blending, "
               f"{res['mean_gain_vs_repeat']:+.2f} dB over frame repetition")
     out.print(f"speed, {speed['clip']}: {speed['seconds']} s, {speed['output_fps']} output frames/s")
+
+
+@main.command("bench")
+@click.option("--model", default=TINY, show_default=True, help="'tiny', 'tiny-wan' or a local diffusers model folder.")
+@click.option("--arch", type=click.Choice(["sd15"]), default=None,
+              help="Instead of --model: build this full-size architecture with random weights (GPU figures "
+                   "without a download; about 38 s per UNet call on a 2-core CPU).")
+@click.option("--size", default=None, help="WIDTHxHEIGHT or N [default: 128 for tiny models, 512 for --arch].")
+@click.option("--frames", type=int, default=None, help="Frames per clip [default: the model's].")
+@click.option("--guidance", type=float, default=1.0, show_default=True,
+              help="Guidance of rows 1-7 (1.0: off, as distilled models run; row 0 always uses CFG 7.5).")
+@click.option("--clips", type=click.IntRange(4, 16), default=4, show_default=True, help="Clips per row (row 0 renders one).")
+@click.option("--compile", "compile_how", type=click.Choice(["torch", "tensorrt"]), default="torch", show_default=True,
+              help="What row 7 compiles with (GPU only; elsewhere row 7 says why and runs uncompiled).")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+def bench_cmd(model, arch, size, frames, guidance, clips, compile_how, device, as_json):
+    """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
+
+    Every row is measured side by side in this one run: seconds per clip (render and end to
+    end, with interpolation, H.264 and QC), speed-up over row 0, PSNR against the row it adds a
+    layer to, peak memory, and the denoiser evaluations, K/V projections and blocks each row did
+    or skipped. Absolute seconds mean something only on a GPU; on a CPU read the ratios.
+
+    \b
+    Example:
+      clipmill bench --model tiny --json
+      clipmill bench --arch sd15 --device cuda --size 512 --frames 16
+    """
+    from jobs.bench import bench
+    from pipeline.models import arch_path, model_info
+
+    device = device or _default_device()
+    try:
+        info = model_info(str(arch_path(arch)) if arch else model)
+        if arch:
+            info = replace(info, name=f"arch:{arch}")
+        size_t = (128, 128) if size is None and info.is_tiny else info.default_size
+        if size is not None:
+            size_t, msg = parse_size(size, info)
+            if msg:
+                raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
+        n_frames = frames or info.default_frames
+        if msg := info.check_frames(n_frames):
+            raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
+        result = bench(info, size_t, n_frames, guidance, device, compile_how, clips,
+                       progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")))
+    except (ModelError, ValueError) as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    t = Table("row", "what", "evals/clip", "render s/clip", "end-to-end s/clip", "speed-up", "e2e speed-up",
+              "PSNR vs twin", "peak MiB", "skipped", title=f"{result['model']} ({result['family']}), {result['size'][0]}x"
+              f"{result['size'][1]}, {result['frames']} frames, {result['device']}")
+    for r in result["rows"]:
+        w = r["work"]
+        skipped = ", ".join(f"{k} {v}" for k, v in w.items() if k in ("kv_rows_avoided", "blocks_skipped", "cached_steps") and v)
+        p = "" if r["twin"] is None else ("identical" if r["psnr_vs_twin_db"] is None else f"{r['psnr_vs_twin_db']} dB")
+        t.add_row(r["row"], r["name"] + (f" [dim]({r['note']})[/]" if r["note"] else ""), f"{r['denoiser_evaluations_per_clip']:g}",
+                  f"{r['render_s_per_clip']:.3f}", f"{r['end_to_end_s_per_clip']:.3f}", f"{r['speedup_render']:.1f}x",
+                  f"{r['speedup_end_to_end']:.1f}x", p, f"{r['peak_memory_mib']:.0f}", skipped)
+    out.print(t)
+    out.print(f"best: row {result['best_row']}, {result['best_speedup_render']}x render, "
+              f"{result['best_speedup_end_to_end']}x end to end ({result['seconds']} s in all)")
+    for g in result["guidance_modes"]:
+        p = "reference" if g["psnr_vs_cfg_db"] is None and g["mode"] == "cfg" else f"{g['psnr_vs_cfg_db']} dB vs CFG"
+        out.print(f"guidance {g['mode']} {g['guidance']:g}: {g['render_s_per_clip']:.3f} s/clip, "
+                  f"{g['denoiser_evaluations_per_clip']:g} evals/clip, {p}")
+    for d in result["decoders"]:
+        out.print(f"decoder {d['decoder']}: {d['decode_s_per_clip']:.3f} s/clip"
+                  + ("" if d["psnr_vs_vae_db"] is None else f", {d['psnr_vs_vae_db']} dB vs the VAE"))
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -33,7 +33,7 @@ class Defaults:
     """Values for rows that leave a column empty."""
 
     tier: str = "fast"
-    frames: int = 16
+    frames: int | None = None  # None: the model's default frame count
     fps: int = 30
     size: tuple[int, int] | None = None  # None: the model's default size
     negative_prompt: str = ""
@@ -397,11 +397,11 @@ class RowChecker:
             if seed is None or not 0 <= seed <= MAX_SEED:
                 errs.append(P("seed", rec["seed"], f"is not a seed; allowed: an integer from 0 to {MAX_SEED}"))
                 seed = None
-        frames = self.defaults.frames
+        frames = self.defaults.frames or self.info.default_frames
         if "frames" in rec:
             frames = _int(rec["frames"])
-            if frames is None or not self.info.min_frames <= frames <= self.info.max_frames:
-                errs.append(P("frames", rec["frames"], f"is not a frame count this model takes; allowed: an integer from {self.info.min_frames} to {self.info.max_frames}"))
+            if frames is None or self.info.check_frames(frames):
+                errs.append(P("frames", rec["frames"], f"is not a frame count this model takes; allowed: {self.info.frames_allowed}"))
         fps = self.defaults.fps
         if "fps" in rec:
             fps = _int(rec["fps"])

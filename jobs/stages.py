@@ -26,7 +26,7 @@ from jobs.logs import ids
 from jobs.models import Attempt, Batch, Job
 from jobs.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from pipeline.models import model_info
-from pipeline.render import ClipRequest, GroupSettings, Renderer
+from pipeline.render import ClipRequest, GroupSettings, Renderer, RenderOptions
 from pipeline.interpolate import interpolate
 from pipeline.video import decode, encode_h264, poster_jpeg
 from qc import QCConfig, check_frames_with_series
@@ -44,10 +44,14 @@ def now() -> datetime:
 class WorkerContext:
     """What a worker keeps between tasks: the database, warm models and storage backends."""
 
-    def __init__(self, db: Database, device: str = "cpu", qc_config: QCConfig = QCConfig()):
+    def __init__(self, db: Database, device: str = "cpu", qc_config: QCConfig = QCConfig(),
+                 render_options: RenderOptions | None = None, guidance_mode: str | None = None):
         self.db = db
         self.device = device
         self.qc_config = qc_config
+        env_options, env_mode = render_setup_from_env()
+        self.render_options = render_options or env_options
+        self.guidance_mode = guidance_mode or env_mode
         self._renderer: tuple[str, Renderer] | None = None
         self._storages: dict[str, Storage] = {}
 
@@ -55,13 +59,34 @@ class WorkerContext:
         """The renderer for ``model``, loaded once and kept warm (one model at a time)."""
         if self._renderer is None or self._renderer[0] != model:
             self._renderer = None  # drop the old model before loading the next
-            self._renderer = (model, Renderer(model_info(model), device=self.device))
+            self._renderer = (model, Renderer(model_info(model), device=self.device, options=self.render_options))
         return self._renderer[1]
 
     def storage(self, out: str) -> Storage:
         if out not in self._storages:
             self._storages[out] = open_storage(out)
         return self._storages[out]
+
+
+def render_setup_from_env() -> tuple[RenderOptions, str]:
+    """Render options from the environment (how `clipmill worker` hosts are configured):
+    CLIPMILL_FEATURE_CACHE=1, CLIPMILL_DECODER=vae|tiny, CLIPMILL_COMPILE=none|torch|tensorrt,
+    CLIPMILL_GUIDANCE_MODE=cfg|rcfg-self|rcfg-onetime. Unset: the defaults."""
+    env = os.environ
+    flag = env.get("CLIPMILL_FEATURE_CACHE", "0").strip().lower()
+    if flag not in ("0", "1", "true", "false", "yes", "no", ""):
+        raise ValueError(f"CLIPMILL_FEATURE_CACHE={flag!r}; allowed: 0 or 1")
+    options = RenderOptions(
+        feature_cache=flag in ("1", "true", "yes"),
+        decoder=env.get("CLIPMILL_DECODER", "vae"),
+        compile=env.get("CLIPMILL_COMPILE", "none"),
+    )
+    mode = env.get("CLIPMILL_GUIDANCE_MODE", "cfg")
+    from pipeline.guidance import GUIDANCE_MODES
+
+    if mode not in GUIDANCE_MODES:
+        raise ValueError(f"CLIPMILL_GUIDANCE_MODE={mode!r}; allowed: {', '.join(GUIDANCE_MODES)}")
+    return options, mode
 
 
 def attempt_key(job: Job, attempt: Attempt, suffix: str) -> str:
@@ -109,7 +134,8 @@ def render_group(
         return []
     _, _, batch = rows[0]
     first_attempt = rows[0][0]
-    settings = GroupSettings(tier=first_attempt.tier, sampler=first_attempt.sampler, guidance=first_attempt.guidance)
+    settings = GroupSettings(tier=first_attempt.tier, sampler=first_attempt.sampler, guidance=first_attempt.guidance,
+                             guidance_mode=ctx.guidance_mode)
     requests = [
         ClipRequest(
             key=a.id, prompt=j.prompt, seed=a.seed, frames=j.frames, width=j.width, height=j.height,

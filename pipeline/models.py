@@ -1,9 +1,17 @@
-"""Loading video diffusion models: a local diffusers folder, or the built-in ``tiny`` model.
+"""Loading video diffusion models: a local diffusers folder, or a built-in tiny model.
 
-The ``tiny`` model has the same classes as a real AnimateDiff pipeline (UNetMotionModel,
-AutoencoderKL, CLIPTextModel, CLIPTokenizer) with small configs and random weights. It is
-written once to a cache folder with ``save_pretrained`` and always loaded back with
-``from_pretrained``, so it runs the same code path as a real model. Its clips are noise.
+Two families sit behind one interface (``ModelInfo`` says what a model takes, ``load_pipeline``
+loads it):
+
+- ``animatediff``: AnimateDiffPipeline (UNetMotionModel, AutoencoderKL, CLIP text encoder),
+  distilled as AnimateDiff-Lightning (Euler, trailing spacing) or AnimateLCM.
+- ``wan``: WanPipeline (WanTransformer3DModel, a DiT; AutoencoderKLWan; UMT5 text encoder),
+  flow matching; guidance-distilled variants run at guidance 1.0.
+
+The built-in ``tiny`` (AnimateDiff) and ``tiny-wan`` models have the same classes as the real
+ones with small configs and random weights. Each is written once to a cache folder with
+``save_pretrained`` and always loaded back with ``from_pretrained``, so it runs the same code
+path as a real model. Their clips are noise.
 """
 
 from __future__ import annotations
@@ -16,12 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TINY = "tiny"
+TINY_WAN = "tiny-wan"
+TINY_MODELS = (TINY, TINY_WAN)
 TINY_WARNING = (
-    "model 'tiny' has random weights: its clips are noise, good only for smoke runs. "
-    "Pass --model PATH with a real AnimateDiff folder for real clips (see README)."
+    "model {name!r} has random weights: its clips are noise, good only for smoke runs. "
+    "Pass --model PATH with a real AnimateDiff or Wan folder for real clips (see README)."
 )
 # Bump when the tiny configs change, so stale caches are rebuilt rather than reused.
-TINY_VERSION = "2"
+TINY_VERSION = "3"
 TINY_SEED = 0
 
 
@@ -38,10 +48,10 @@ def cache_dir() -> Path:
 class ModelInfo:
     """What a model can take, read from its folder's configs without loading weights."""
 
-    name: str  # 'tiny' or the folder path as given
+    name: str  # 'tiny', 'tiny-wan' or the folder path as given
     path: Path
-    family: str  # 'animatediff'
-    scheduler: str  # 'lightning' (Euler, trailing) or 'lcm'
+    family: str  # 'animatediff' or 'wan'
+    scheduler: str  # 'lightning' (Euler, trailing), 'lcm' or 'flow' (flow-matching Euler)
     max_frames: int
     min_frames: int
     size_multiple: int
@@ -50,10 +60,36 @@ class ModelInfo:
     default_size: tuple[int, int]
     native_fps: int
     max_prompt_tokens: int
+    frame_step: int = 1  # frame counts allowed: min_frames + k * frame_step (Wan: 4k+1)
+    default_frames: int = 16
+    guidance_distilled: bool = True  # distilled models run at guidance 1.0; CFG > 6 over-exposes them
+    has_tiny_vae: bool = False  # the folder has vae_tiny/ (AutoencoderTiny, TAESD-style)
 
     @property
     def is_tiny(self) -> bool:
-        return self.name == TINY
+        return self.name in TINY_MODELS
+
+    @property
+    def frames_allowed(self) -> str:
+        """What frame counts this model takes, in words."""
+        if self.frame_step == 1:
+            return f"an integer from {self.min_frames} to {self.max_frames}"
+        r = self.min_frames % self.frame_step
+        return f"{self.frame_step}k+{r} from {self.min_frames} to {self.max_frames} ({self.min_frames}, {self.min_frames + self.frame_step}, ...)"
+
+    def check_frames(self, frames: int) -> str | None:
+        """None if the model takes ``frames``, else what it takes."""
+        if self.min_frames <= frames <= self.max_frames and (frames - self.min_frames) % self.frame_step == 0:
+            return None
+        return f"the {self.family} model takes {self.frames_allowed} frames"
+
+    def check_size(self, width: int, height: int) -> str | None:
+        """None if the model takes ``width`` x ``height``, else what it takes."""
+        for side in (width, height):
+            if side % self.size_multiple or not self.min_size <= side <= self.max_size:
+                return (f"the {self.family} model takes sides that are multiples of {self.size_multiple} "
+                        f"from {self.min_size} to {self.max_size}")
+        return None
 
 
 def _byte_vocab() -> tuple[dict[str, int], list[str]]:
@@ -76,13 +112,18 @@ TINY_MAX_TOKENS = 256  # byte-level tokens: one per UTF-8 byte, so the limit is 
 
 
 def build_tiny(dest: Path) -> None:
-    """Build the tiny AnimateDiff pipeline with random weights and save it to ``dest``."""
+    """Build the tiny AnimateDiff pipeline with random weights and save it to ``dest``.
+
+    Beside the pipeline it saves ``vae_tiny/``, an AutoencoderTiny (TAESD-style) decoder, as a
+    real model folder may have one.
+    """
     import torch
 
     quiet_hf()
     from diffusers import (
         AnimateDiffPipeline,
         AutoencoderKL,
+        AutoencoderTiny,
         EulerDiscreteScheduler,
         MotionAdapter,
         UNet2DConditionModel,
@@ -150,20 +191,101 @@ def build_tiny(dest: Path) -> None:
         scheduler=scheduler,
     )
     pipe.save_pretrained(dest)
+    AutoencoderTiny(
+        encoder_block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8),
+        num_encoder_blocks=(1, 1, 1, 1),
+        num_decoder_blocks=(1, 1, 1, 1),
+        latent_channels=4,
+    ).save_pretrained(dest / "vae_tiny")
     (dest / "clipmill.json").write_text(
         json.dumps({"tiny_version": TINY_VERSION, "native_fps": 24, "default_size": [128, 128]})
     )
 
 
-def tiny_path() -> Path:
-    """Path of the tiny model, building it on first use (atomically: build aside, then rename)."""
-    dest = cache_dir() / f"tiny-animatediff-v{TINY_VERSION}"
+TINY_WAN_MAX_TOKENS = 226  # WanPipeline's max_sequence_length
+
+
+def build_tiny_wan(dest: Path) -> None:
+    """Build the tiny Wan 2.1 pipeline (DiT) with random weights and save it to ``dest``."""
+    import torch
+
+    quiet_hf()
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(TINY_SEED)
+    # A sentencepiece-style vocabulary from a piece list: specials, printable ASCII, the word marker.
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)] + [(chr(c), -1.0) for c in range(32, 127)] + [("\u2581", -1.0)]
+    tokenizer = T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TINY_WAN_MAX_TOKENS)
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(vocab_size=len(pieces), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                   relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True])
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae,
+                scheduler=scheduler).save_pretrained(dest)
+    (dest / "clipmill.json").write_text(
+        json.dumps({"tiny_version": TINY_VERSION, "native_fps": 16, "default_size": [128, 128]})
+    )
+
+
+def build_sd15_arch(dest: Path) -> None:
+    """The full-size AnimateDiff SD1.5 architecture (UNet with motion modules, 1.3 B parameters;
+    SD's VAE; a CLIP ViT-L text encoder) with random weights, saved in float16. Its compute is the
+    real model's, so benchmark figures on a GPU mean something without a download."""
+    import torch
+
+    quiet_hf()
+    from diffusers import AnimateDiffPipeline, AutoencoderKL, AutoencoderTiny, EulerDiscreteScheduler, MotionAdapter
+    from diffusers import UNet2DConditionModel, UNetMotionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(TINY_SEED)
+    unet = UNetMotionModel.from_unet2d(UNet2DConditionModel(cross_attention_dim=768), MotionAdapter())
+    vae = AutoencoderKL(block_out_channels=(128, 256, 512, 512), layers_per_block=2, latent_channels=4,
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+    text_encoder = CLIPTextModel(CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12,
+                                                num_hidden_layers=12, max_position_embeddings=77))
+    vocab, merges = _byte_vocab()
+    tokenizer = CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+    scheduler = EulerDiscreteScheduler(beta_schedule="linear", timestep_spacing="trailing", beta_start=0.00085, beta_end=0.012)
+    pipe = AnimateDiffPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                               motion_adapter=None, scheduler=scheduler).to(torch.float16)
+    pipe.save_pretrained(dest)
+    AutoencoderTiny().to(torch.float16).save_pretrained(dest / "vae_tiny")  # TAESD's architecture
+    (dest / "clipmill.json").write_text(
+        json.dumps({"tiny_version": TINY_VERSION, "native_fps": 24, "default_size": [512, 512]})
+    )
+
+
+ARCHS = {"sd15": build_sd15_arch}
+
+
+def arch_path(arch: str) -> Path:
+    """Path of a full-size architecture with random weights, building it on first use."""
+    if arch not in ARCHS:
+        raise ModelError(f"--arch {arch!r}: not known; allowed: {', '.join(ARCHS)}")
+    return tiny_path(f"arch-{arch}")
+
+
+def tiny_path(name: str = TINY) -> Path:
+    """Path of a tiny model, building it on first use (atomically: build aside, then rename)."""
+    build = {TINY: build_tiny, TINY_WAN: build_tiny_wan, **{f"arch-{a}": f for a, f in ARCHS.items()}}[name]
+    dest = cache_dir() / f"{name}-v{TINY_VERSION}"
     if (dest / "model_index.json").exists():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
     try:
-        build_tiny(tmp)
+        build(tmp)
         try:
             os.rename(tmp, dest)
         except OSError:
@@ -176,12 +298,14 @@ def tiny_path() -> Path:
 
 
 def resolve(model: str) -> Path:
-    """The folder for a ``--model`` value: ``tiny`` or a local diffusers folder."""
-    if model == TINY:
-        return tiny_path()
+    """The folder for a ``--model`` value: ``tiny``, ``tiny-wan`` or a local diffusers folder."""
+    if model in TINY_MODELS:
+        return tiny_path(model)
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ModelError(f"--model {model!r}: no such folder; pass 'tiny' or a local diffusers model folder")
+        raise ModelError(
+            f"--model {model!r}: no such folder; pass {' or '.join(map(repr, TINY_MODELS))} or a local diffusers model folder"
+        )
     if not (path / "model_index.json").exists():
         raise ModelError(
             f"--model {model!r}: {path / 'model_index.json'} is missing; "
@@ -204,11 +328,19 @@ def model_info(model: str) -> ModelInfo:
     path = resolve(model)
     index = _read_json(path / "model_index.json")
     unet_cls = (index.get("unet") or [None, None])[1]
-    if unet_cls != "UNetMotionModel":
-        raise ModelError(
-            f"--model {model!r}: unet is {unet_cls!r}; clipmill renders AnimateDiff pipelines "
-            "(unet UNetMotionModel)"
-        )
+    transformer_cls = (index.get("transformer") or [None, None])[1]
+    if unet_cls == "UNetMotionModel":
+        return _animatediff_info(model, path)
+    if transformer_cls == "WanTransformer3DModel":
+        return _wan_info(model, path)
+    raise ModelError(
+        f"--model {model!r}: {path / 'model_index.json'} names unet {unet_cls!r} and transformer "
+        f"{transformer_cls!r}; clipmill renders AnimateDiff (unet UNetMotionModel) and Wan "
+        "(transformer WanTransformer3DModel) pipelines"
+    )
+
+
+def _animatediff_info(model: str, path: Path) -> ModelInfo:
     unet_cfg = _read_json(path / "unet" / "config.json")
     sched_cfg = _read_json(path / "scheduler" / "scheduler_config.json")
     tok_cfg = _read_json(path / "tokenizer" / "tokenizer_config.json")
@@ -234,6 +366,36 @@ def model_info(model: str) -> ModelInfo:
         default_size=(int(default[0]), int(default[1])),
         native_fps=int(extra.get("native_fps", 24)),
         max_prompt_tokens=max_tokens,
+        default_frames=16,
+        has_tiny_vae=(path / "vae_tiny" / "config.json").exists(),
+    )
+
+
+def _wan_info(model: str, path: Path) -> ModelInfo:
+    tr_cfg = _read_json(path / "transformer" / "config.json")
+    vae_cfg = _read_json(path / "vae" / "config.json")
+    extra = _read_json(path / "clipmill.json")
+    temporal = 2 ** sum(bool(x) for x in vae_cfg.get("temperal_downsample", [False, True, True]))
+    spatial = 2 ** len(vae_cfg.get("temperal_downsample", [False, True, True]))
+    patch = tr_cfg.get("patch_size", [1, 2, 2])
+    multiple = spatial * int(patch[1])
+    default = tuple(extra.get("default_size", [832, 480]))
+    return ModelInfo(
+        name=model,
+        path=path,
+        family="wan",
+        scheduler="flow",
+        max_frames=int(extra.get("max_frames", 81)),
+        min_frames=temporal + 1,
+        frame_step=temporal,
+        size_multiple=multiple,
+        min_size=max(64, multiple),
+        max_size=1280,
+        default_size=(int(default[0]), int(default[1])),
+        native_fps=int(extra.get("native_fps", 16)),
+        max_prompt_tokens=int(extra.get("max_prompt_tokens", TINY_WAN_MAX_TOKENS)),
+        default_frames=temporal * 4 + 1,
+        guidance_distilled=bool(extra.get("guidance_distilled", True)),
     )
 
 
@@ -251,9 +413,9 @@ def quiet_hf() -> None:
 
 def load_tokenizer(info: ModelInfo):
     quiet_hf()
-    from transformers import CLIPTokenizer
+    from transformers import AutoTokenizer
 
-    return CLIPTokenizer.from_pretrained(info.path / "tokenizer")
+    return AutoTokenizer.from_pretrained(info.path / "tokenizer")
 
 
 def load_pipeline(info: ModelInfo, device: str = "cpu", dtype=None):
@@ -261,10 +423,24 @@ def load_pipeline(info: ModelInfo, device: str = "cpu", dtype=None):
     import torch
 
     quiet_hf()
-    from diffusers import AnimateDiffPipeline
+    from diffusers import AnimateDiffPipeline, WanPipeline
 
     if dtype is None:
         dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    pipe = AnimateDiffPipeline.from_pretrained(info.path, dtype=dtype)
+    cls = WanPipeline if info.family == "wan" else AnimateDiffPipeline
+    pipe = cls.from_pretrained(info.path, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe.to(device)
+
+
+def load_tiny_vae(info: ModelInfo, device: str = "cpu", dtype=None):
+    """The folder's AutoencoderTiny (``vae_tiny/``), or a ModelError saying it has none."""
+    import torch
+
+    if not info.has_tiny_vae:
+        raise ModelError(f"--decoder tiny: {info.path / 'vae_tiny'} is missing; the model folder has no AutoencoderTiny")
+    from diffusers import AutoencoderTiny
+
+    if dtype is None:
+        dtype = torch.float16 if device.startswith("cuda") else torch.float32
+    return AutoencoderTiny.from_pretrained(info.path / "vae_tiny", dtype=dtype).to(device)

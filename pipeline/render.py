@@ -2,10 +2,22 @@
 
 A group shares model, tier, size and frame count. Every clip has its own seed and its own
 ``torch.Generator``, so a clip is the same whatever else is in its group.
+
+The speed layers (see README, Performance) are options of the ``Renderer``:
+
+- text: a bounded LRU of prompt embeddings across jobs, and the exact text K/V cache;
+- features: DeepCache on the UNet, diffusers' ``enable_cache`` (FirstBlockCache) on the DiT;
+- guidance: CFG, off, or R-CFG (``pipeline.guidance``);
+- batching: groups of up to 4; out of memory splits a group in halves and retries;
+- decoding: sliced per frame chunk, tiled for large frames, or the folder's tiny autoencoder;
+- compilation: ``pipeline.compile`` (GPU only).
+
+All per-generation cache state is reset before and after every group (in a ``finally``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -13,8 +25,20 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from pipeline.models import ModelInfo, load_pipeline
+from pipeline.deepcache import DeepCache, DeepCacheConfig
+from pipeline.guidance import GuidedDenoiser, alpha_bar_fn, effective_mode
+from pipeline.models import ModelInfo, load_pipeline, load_tiny_vae
+from pipeline.prompt_cache import PromptEmbeddingCache
 from pipeline.sampler import TIERS, make_scheduler, sample
+from pipeline.textkv import TextKVCache
+
+log = logging.getLogger("clipmill.render")
+
+# DiT feature cache per tier (diffusers FirstBlockCache): the residual change below which the
+# remaining blocks are skipped. Quality gets the stricter threshold.
+DIT_CACHE_THRESHOLD = {"fast": 0.08, "quality": 0.05}
+TILING_ABOVE_PIXELS = 768 * 768  # frames larger than this decode tiled
+
 
 @dataclass(frozen=True)
 class ClipRequest:
@@ -34,10 +58,32 @@ class GroupSettings:
     tier: str = "fast"
     sampler: str = "lightning"
     guidance: float = 1.0
+    guidance_mode: str = "cfg"  # cfg | rcfg-self | rcfg-onetime (used when guidance > 1)
+    step_count: int | None = None  # overrides the tier's steps (the benchmark's 50-step baseline)
 
     @property
     def steps(self) -> int:
-        return TIERS[self.tier].steps
+        return self.step_count or TIERS[self.tier].steps
+
+
+@dataclass(frozen=True)
+class RenderOptions:
+    """The speed layers a Renderer uses. The defaults are what clipmill renders with."""
+
+    text_kv: bool = True  # exact; see pipeline.textkv
+    prompt_cache: int = 256  # prompt embeddings kept across jobs (0: off)
+    feature_cache: bool = False  # approximate; off by default, see README (Performance)
+    deepcache: DeepCacheConfig = DeepCacheConfig()
+    decoder: str = "vae"  # vae | tiny (the folder's AutoencoderTiny)
+    tiling: str = "auto"  # auto | on | off: tiled VAE decode (auto: frames above TILING_ABOVE_PIXELS)
+    compile: str = "none"  # none | torch | tensorrt (GPU only; see pipeline.compile)
+
+    def __post_init__(self):
+        for name, value, allowed in (("decoder", self.decoder, ("vae", "tiny")),
+                                     ("tiling", self.tiling, ("auto", "on", "off")),
+                                     ("compile", self.compile, ("none", "torch", "tensorrt"))):
+            if value not in allowed:
+                raise ValueError(f"RenderOptions.{name}={value!r}; allowed: {', '.join(allowed)}")
 
 
 @dataclass
@@ -46,6 +92,7 @@ class ClipResult:
     frames: np.ndarray  # (F, H, W, 3) uint8
     fps: int
     timings: dict[str, float] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # work done and skipped, for the benchmark
 
 
 def compatible_key(req: ClipRequest) -> tuple:
@@ -53,94 +100,296 @@ def compatible_key(req: ClipRequest) -> tuple:
     return (req.frames, req.width, req.height)
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator failing to allocate."""
+    if isinstance(e, torch.cuda.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e))
+
+
 class Renderer:
     """A loaded model kept warm between groups."""
 
-    def __init__(self, info: ModelInfo, device: str = "cpu", dtype=None):
+    def __init__(self, info: ModelInfo, device: str = "cpu", dtype=None, options: RenderOptions = RenderOptions()):
         self.info = info
         self.device = device
         self.pipe = load_pipeline(info, device=device, dtype=dtype)
+        self.denoiser = self.pipe.transformer if info.family == "wan" else self.pipe.unet
+        self.prompts = None
+        self.text_kv = None
+        self.deepcache = None
+        self.dit_cache_tier: str | None = None
+        self.tiny_vae = None
+        self.compiled = None
+        self._block_calls = _BlockCounter(self.denoiser) if info.family == "wan" else None
+        self.configure(options)
+
+    def configure(self, options: RenderOptions) -> None:
+        """Install the speed layers of ``options`` (removing those of the previous ones); the
+        loaded model stays as it is."""
+        self.close()
+        self.options = options
+        if options.prompt_cache:
+            self.prompts = PromptEmbeddingCache(options.prompt_cache)
+        if options.text_kv:
+            self.text_kv = TextKVCache(self.denoiser)
+        if options.feature_cache and self.info.family == "animatediff":
+            self.deepcache = DeepCache(self.pipe.unet, options.deepcache)
+        if options.decoder == "tiny":
+            self.tiny_vae = load_tiny_vae(self.info, self.device, self.dtype)
+        if options.compile != "none":
+            from pipeline.compile import compile_denoiser
+
+            self.compiled, message = compile_denoiser(self.denoiser, options.compile, self.device)
+            self.compile_message = message
+            log.warning("%s", message)
 
     @property
     def dtype(self):
-        return self.pipe.unet.dtype
+        return self.denoiser.dtype
 
-    @torch.no_grad()
+    def close(self) -> None:
+        """Remove every hook and processor the speed layers installed."""
+        for c in (self.text_kv, self.deepcache):
+            if c is not None:
+                c.remove()
+        self.text_kv = self.deepcache = self.prompts = self.tiny_vae = self.compiled = None
+        if self.dit_cache_tier is not None:
+            self.denoiser.disable_cache()
+            self.dit_cache_tier = None
+
+    # -- the group, with out-of-memory halving ---------------------------------------------------
     def render(
         self,
         requests: Sequence[ClipRequest],
         settings: GroupSettings,
         callback: Callable[[int, int], None] | None = None,
     ) -> list[ClipResult]:
+        """Render ``requests`` as one group. Out of memory splits it in halves and retries each
+        half (recursively, down to one clip); every result records how it was finally rendered
+        (``oom_splits``, ``group_size``). A single clip that does not fit raises."""
         if not requests:
             return []
         if len({compatible_key(r) for r in requests}) != 1:
             raise ValueError("render(): all requests in a group need the same frames, width and height")
-        pipe = self.pipe
+        try:
+            return self._render(list(requests), settings, callback)
+        except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
+            if not is_out_of_memory(e) or len(requests) == 1:
+                raise
+            log.warning("out of memory rendering a group of %s: splitting it in halves (%s)", len(requests), e)
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        half = (len(requests) + 1) // 2
+        results = []
+        for part in (requests[:half], requests[half:]):
+            for r in self.render(part, settings, callback):
+                r.timings["oom_splits"] = r.timings.get("oom_splits", 0) + 1
+                results.append(r)
+        return results
+
+    @torch.no_grad()
+    def _render(self, requests: list[ClipRequest], settings: GroupSettings, callback) -> list[ClipResult]:
         first = requests[0]
-        n, frames = len(requests), first.frames
-        do_cfg = settings.guidance > 1.0
+        n = len(requests)
+        if msg := self.info.check_frames(first.frames) or self.info.check_size(first.width, first.height):
+            raise ValueError(f"render(): {first.frames} frames at {first.width}x{first.height}: {msg}")
+        mode = effective_mode(settings.guidance_mode, settings.guidance)
         t0 = time.perf_counter()
 
-        # 1. text embeddings, (n, tokens, dim); uncond first when guidance is on
-        cond, uncond = pipe.encode_prompt(
-            [r.prompt for r in requests],
-            self.device,
-            1,
-            do_cfg,
-            [r.negative_prompt for r in requests] if do_cfg else None,
-        )
-        embeds = torch.cat([uncond, cond]) if do_cfg else cond
-        embeds = embeds.repeat_interleave(frames, dim=0)  # the UNet wants one per frame
+        # 1. text embeddings (n, tokens, dim), from the LRU where the prompt was seen before
+        cond = self.encode([r.prompt for r in requests])
+        neg = self.encode([r.negative_prompt for r in requests]) if mode != "none" else None
         t1 = time.perf_counter()
 
         # 2. initial noise, each clip from its own generator
-        scheduler = make_scheduler(pipe.scheduler.config, settings.sampler)
+        scheduler = make_scheduler(self.pipe.scheduler.config, settings.sampler)
         generators = [torch.Generator("cpu").manual_seed(int(r.seed)) for r in requests]
-        shape = (
-            1,
-            pipe.unet.config.in_channels,
-            frames,
-            first.height // pipe.vae_scale_factor,
-            first.width // pipe.vae_scale_factor,
-        )
+        shape = self.latent_shape(first)
         latents = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
-        latents = (latents * scheduler.init_noise_sigma).to(self.device, self.dtype)
+        latents = (latents * getattr(scheduler, "init_noise_sigma", 1.0)).to(self.device, self.dtype)
 
-        # 3. denoise
-        def denoise(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            x_in = torch.cat([x, x]) if do_cfg else x
-            out = pipe.unet(x_in, t, encoder_hidden_states=embeds).sample
-            if do_cfg:
-                out_uncond, out_cond = out.chunk(2)
-                out = out_uncond + settings.guidance * (out_cond - out_uncond)
-            return out
-
-        latents = sample(denoise, latents, scheduler, settings.steps, generators, callback)
+        # 3. denoise, with every cache reset before and after
+        self.reset_stats()
+        self._reset_caches(settings.tier)
+        try:
+            predict = self._predictor(cond, neg, first)
+            alpha_bar = alpha_bar_fn(scheduler) if mode.startswith("rcfg") else None
+            guided = GuidedDenoiser(predict, mode, settings.guidance, n, alpha_bar)
+            latents = sample(guided, latents, scheduler, settings.steps, generators, callback)
+            stats = self._cache_stats()
+        finally:
+            self._reset_caches(None)
         t2 = time.perf_counter()
 
         # 4. decode each clip on its own (bounded memory), to uint8 frames
         videos = [self.decode(latents[i : i + 1])[0] for i in range(n)]
         t3 = time.perf_counter()
 
-        share = {
-            "text_s": (t1 - t0) / n,
-            "denoise_s": (t2 - t1) / n,
-            "decode_s": (t3 - t2) / n,
-        }
+        share = {"text_s": (t1 - t0) / n, "denoise_s": (t2 - t1) / n, "decode_s": (t3 - t2) / n}
         share["render_s"] = sum(share.values())
+        stats.update(denoiser_rows=guided.rows / n, steps=settings.steps, guidance_mode=mode)
         return [
-            ClipResult(key=r.key, frames=v, fps=self.info.native_fps, timings=dict(share, group_size=n))
+            ClipResult(key=r.key, frames=v, fps=self.info.native_fps, timings=dict(share, group_size=n), stats=stats)
             for r, v in zip(requests, videos)
         ]
 
+    # -- per family ----------------------------------------------------------------------------
+    def encode(self, prompts: list[str]) -> torch.Tensor:
+        """Prompt embeddings (len(prompts), tokens, dim)."""
+
+        def run(texts: list[str]) -> torch.Tensor:
+            if self.info.family == "wan":
+                return self.pipe.encode_prompt(texts, do_classifier_free_guidance=False, device=self.device,
+                                               max_sequence_length=self.info.max_prompt_tokens)[0]
+            return self.pipe.encode_prompt(texts, self.device, 1, False)[0]
+
+        return self.prompts.get(prompts, run) if self.prompts is not None else run(prompts)
+
+    def latent_shape(self, req: ClipRequest) -> tuple[int, ...]:
+        """Latent shape of one clip."""
+        if self.info.family == "wan":
+            vae = self.pipe.vae
+            t = self.pipe.vae_scale_factor_temporal
+            s = self.pipe.vae_scale_factor_spatial
+            return (1, vae.config.z_dim, (req.frames - 1) // t + 1, req.height // s, req.width // s)
+        s = self.pipe.vae_scale_factor
+        return (1, self.pipe.unet.config.in_channels, req.frames, req.height // s, req.width // s)
+
+    def _predictor(self, cond: torch.Tensor, neg: torch.Tensor | None, req: ClipRequest):
+        """``predict(x, t, which)`` over the denoiser, with contexts bound to the text K/V cache."""
+        from pipeline.compile import RESOLUTION_TIERS
+
+        frames = req.frames
+        # compiled graphs are built per resolution tier; other sizes run the plain model
+        model = self.compiled if self.compiled is not None and (req.width, req.height) in RESOLUTION_TIERS else self.denoiser
+        kv = self.text_kv
+        if self.info.family == "wan":
+            contexts = {"cond": cond, "uncond": neg}
+            if kv is not None:
+                for label, e in contexts.items():
+                    if e is not None:
+                        kv.bind(e, [(label, e, 1)])
+
+            def call(x, t, label):
+                with self.denoiser.cache_context(label):
+                    return model(hidden_states=x, timestep=t.expand(x.shape[0]),
+                                 encoder_hidden_states=contexts[label], return_dict=False)[0]
+
+            def predict(x, t, which):
+                if which == "cond":
+                    return call(x, t, "cond")
+                return call(x, t, "uncond"), call(x, t, "cond")  # Wan runs the two passes apart
+
+            return predict
+
+        # AnimateDiff: one embedding row per frame
+        cond_rows = cond.repeat_interleave(frames, dim=0)
+        both_rows = torch.cat([neg.repeat_interleave(frames, dim=0), cond_rows]) if neg is not None else None
+        if kv is not None:
+            kv.bind(cond_rows, [("cond", cond, frames)])
+            if both_rows is not None:
+                kv.bind(both_rows, [("uncond", neg, frames), ("cond", cond, frames)])
+
+        def predict(x, t, which):
+            if which == "cond":
+                return model(x, t, encoder_hidden_states=cond_rows).sample
+            return model(torch.cat([x, x]), t, encoder_hidden_states=both_rows).sample.chunk(2)
+
+        return predict
+
+    def _reset_caches(self, tier: str | None) -> None:
+        """Clear every per-generation cache; with a tier, (re)configure the DiT cache for it."""
+        if self.text_kv is not None:
+            self.text_kv.reset()
+        if self.deepcache is not None:
+            self.deepcache.reset()
+        if self.info.family == "wan" and self.options.feature_cache:
+            if tier is not None and tier != self.dit_cache_tier:
+                from diffusers import FirstBlockCacheConfig
+
+                if self.dit_cache_tier is not None:
+                    self.denoiser.disable_cache()
+                self.denoiser.enable_cache(FirstBlockCacheConfig(threshold=DIT_CACHE_THRESHOLD.get(tier, 0.05)))
+                self.dit_cache_tier = tier
+            self.denoiser._reset_stateful_cache()
+
+    def reset_stats(self) -> None:
+        if self._block_calls is not None:
+            self._block_calls.reset()
+        if self.text_kv is not None:
+            self.text_kv.stats.projected = self.text_kv.stats.avoided = 0
+        if self.deepcache is not None:
+            self.deepcache.reset_stats()
+
+    def _cache_stats(self) -> dict:
+        out: dict = {}
+        if self._block_calls is not None:
+            out.update(self._block_calls.stats())
+        if self.text_kv is not None:
+            out.update(self.text_kv.stats.as_dict())
+        if self.deepcache is not None:
+            out.update(self.deepcache.stats())
+        if self.prompts is not None:
+            out.update(prompt_cache_hits=self.prompts.hits, prompt_cache_misses=self.prompts.misses)
+        return out
+
+    # -- decoding --------------------------------------------------------------------------------
     def decode(self, latents: torch.Tensor, chunk: int = 16) -> np.ndarray:
-        """Latents (b, c, f, h, w) to uint8 frames (b, f, H, W, 3), ``chunk`` frames per VAE call."""
-        vae = self.pipe.vae
+        """Latents of one or more clips to uint8 frames (b, f, H, W, 3)."""
+        if self.info.family == "wan":
+            return self._decode_wan(latents)
+        vae = self.tiny_vae or self.pipe.vae
         b, c, f, h, w = latents.shape
+        s = self.pipe.vae_scale_factor
+        tiled = self.options.tiling == "on" or (self.options.tiling == "auto" and h * w * s * s > TILING_ABOVE_PIXELS)
+        if self.tiny_vae is None:
+            (vae.enable_tiling if tiled else vae.disable_tiling)()
         flat = (latents / vae.config.scaling_factor).permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+        # sliced: ``chunk`` frames per VAE call bounds memory for long clips
         parts = [vae.decode(flat[i : i + chunk]).sample for i in range(0, flat.shape[0], chunk)]
-        video = torch.cat(parts).float()
-        video = ((video / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        video = video.reshape(b, f, 3, video.shape[-2], video.shape[-1]).permute(0, 1, 3, 4, 2)
-        return video.cpu().numpy()
+        return _to_uint8(torch.cat(parts).reshape(b, f, 3, h * s, w * s))
+
+    def _decode_wan(self, latents: torch.Tensor) -> np.ndarray:
+        vae = self.pipe.vae
+        z = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
+        if self.options.tiling == "on" or (
+            self.options.tiling == "auto" and latents.shape[-1] * latents.shape[-2] * 64 > TILING_ABOVE_PIXELS
+        ):
+            vae.enable_tiling()
+        else:
+            vae.disable_tiling()
+        video = vae.decode(latents * std + mean).sample  # (b, 3, f, H, W)
+        return _to_uint8(video.permute(0, 2, 1, 3, 4))
+
+
+class _BlockCounter:
+    """Counts DiT forwards and the transformer blocks that really ran (a block skipped by a
+    feature cache never reaches its self-attention)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls = self.blocks_run = 0
+        self.n_blocks = len(model.blocks)
+        model.register_forward_pre_hook(self._call)
+        for b in model.blocks:
+            b.attn1.register_forward_pre_hook(self._block)
+
+    def _call(self, *_):
+        self.calls += 1
+
+    def _block(self, *_):
+        self.blocks_run += 1
+
+    def reset(self) -> None:
+        self.calls = self.blocks_run = 0
+
+    def stats(self) -> dict:
+        return {"blocks_run": self.blocks_run, "blocks_skipped": self.calls * self.n_blocks - self.blocks_run}
+
+
+def _to_uint8(video: torch.Tensor) -> np.ndarray:
+    """(b, f, 3, H, W) in [-1, 1] to (b, f, H, W, 3) uint8."""
+    video = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    return video.permute(0, 1, 3, 4, 2).cpu().numpy()

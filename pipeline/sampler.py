@@ -13,7 +13,9 @@ from typing import Callable, Sequence
 
 import torch
 
-SAMPLERS = ("lightning", "lcm")
+SAMPLERS = ("lightning", "lcm")  # distilled AnimateDiff samplers a batch may ask for
+# every sampler make_scheduler knows: + 'flow' (Wan's flow-matching Euler) and 'ddim' (the 50-step baseline)
+ALL_SAMPLERS = (*SAMPLERS, "flow", "ddim")
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,10 @@ def make_scheduler(base_config, sampler: str):
 
     ``lightning``: Euler with trailing timestep spacing and linear betas (AnimateDiff-Lightning).
     ``lcm``: LCMScheduler (AnimateLCM).
+    ``flow``: flow-matching Euler with the model's own shift (Wan).
+    ``ddim``: DDIM with the model's betas, the undistilled 50-step baseline of ``clipmill bench``.
     """
-    from diffusers import EulerDiscreteScheduler, LCMScheduler
+    from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, LCMScheduler
 
     if sampler == "lightning":
         return EulerDiscreteScheduler.from_config(
@@ -39,7 +43,12 @@ def make_scheduler(base_config, sampler: str):
         )
     if sampler == "lcm":
         return LCMScheduler.from_config(base_config, beta_schedule="linear")
-    raise ValueError(f"sampler={sampler!r} is not known; allowed: {', '.join(SAMPLERS)}")
+    if sampler == "flow":
+        return FlowMatchEulerDiscreteScheduler.from_config(base_config)
+    if sampler == "ddim":
+        return DDIMScheduler.from_config(base_config, beta_schedule="linear", timestep_spacing="leading",
+                                         steps_offset=1, clip_sample=False, set_alpha_to_one=False)
+    raise ValueError(f"sampler={sampler!r} is not known; allowed: {', '.join(ALL_SAMPLERS)}")
 
 
 # denoise(latent_model_input, t) -> model output, same shape as the latents
@@ -62,8 +71,8 @@ def sample(
     timesteps = scheduler.timesteps
     extra = {"generator": list(generators)} if generators is not None and _takes_generator(scheduler) else {}
     for i, t in enumerate(timesteps):
-        # 1. scale the input as the scheduler expects (Euler divides by sqrt(sigma^2 + 1))
-        model_input = scheduler.scale_model_input(latents, t)
+        # 1. scale the input as the scheduler expects (Euler divides by sqrt(sigma^2 + 1); flow: as is)
+        model_input = scheduler.scale_model_input(latents, t) if hasattr(scheduler, "scale_model_input") else latents
         # 2. predict the noise (guidance, if any, is inside ``denoise``)
         noise_pred = denoise(model_input, t)
         # 3. step x_t -> x_{t-1}
