@@ -155,31 +155,41 @@ def requests(info: ModelInfo, size, frames, n) -> list[ClipRequest]:
     return [ClipRequest(i, PROMPTS[i % len(PROMPTS)], 1000 + i, frames, size[0], size[1], NEGATIVE) for i in range(n)]
 
 
-def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], device: str, progress=None) -> None:
-    """Render every row (after one warm-up group per configuration) and fill ``row.out``."""
+def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], device: str, repeat: int = 3,
+             progress=None) -> None:
+    """Render every row ``repeat`` times, the rows interleaved (so a noisy neighbour slows them
+    alike), after one warm-up group each; fill ``row.out`` with the median times."""
+    walls: dict[str, list[float]] = {r.row: [] for r in rows}
+    mems: dict[str, float] = {r.row: 0.0 for r in rows}
+    for rep in range(repeat):
+        for row in rows:
+            if progress:
+                progress(f"round {rep + 1}/{repeat}, row {row.row}: {row.name}")
+            renderer.configure(row.options)
+            if row.options.compile != "none" and renderer.compiled is None:
+                row.note = renderer.compile_message
+            todo = reqs[: row.clips]
+            if rep == 0:
+                renderer.render(todo[:1], row.settings)  # warm-up: allocations, lazy imports, compilation
+                if row.options.prompt_cache:  # a fresh LRU: the row pays for its own text encoding
+                    renderer.prompts.clear()
+            results: list[ClipResult] = []
+            with PeakMemory(device) as mem:
+                t0 = time.perf_counter()
+                for i in range(0, len(todo), row.batch):
+                    results += renderer.render(todo[i : i + row.batch], row.settings)
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                walls[row.row].append((time.perf_counter() - t0) / len(results))
+            mems[row.row] = max(mems[row.row], mem.mib)
+            if rep == 0:
+                row.results = results
     for row in rows:
-        if progress:
-            progress(f"row {row.row}: {row.name}")
-        renderer.configure(row.options)
-        if row.options.compile != "none" and renderer.compiled is None:
-            row.note = renderer.compile_message
-        todo = reqs[: row.clips]
-        renderer.render(todo[:1], row.settings)  # warm-up: allocations, lazy imports, compilation
-        renderer.reset_stats()
-        if row.options.prompt_cache:  # a fresh LRU: the row pays for its own text encoding
-            renderer.prompts.clear()
-        results: list[ClipResult] = []
-        with PeakMemory(device) as mem:
-            t0 = time.perf_counter()
-            for i in range(0, len(todo), row.batch):
-                results += renderer.render(todo[i : i + row.batch], row.settings)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+        results = row.results
         post = [post_seconds(r.frames, r.fps) for r in results]
         n = len(results)
         stats = results[-1].stats
-        row.results = results
+        render_s = float(np.median(walls[row.row]))
         row.out = {
             "row": row.row,
             "name": row.name,
@@ -188,13 +198,14 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
             "guidance_mode": stats["guidance_mode"],
             "batch": row.batch,
             "clips": n,
-            "render_s_per_clip": round(wall / n, 4),
-            "end_to_end_s_per_clip": round(wall / n + sum(post) / n, 4),
+            "render_s_per_clip": round(render_s, 4),
+            "render_s_runs": [round(w, 4) for w in walls[row.row]],
+            "end_to_end_s_per_clip": round(render_s + sum(post) / n, 4),
             "text_s": round(sum(r.timings["text_s"] for r in results) / n, 4),
             "denoise_s": round(sum(r.timings["denoise_s"] for r in results) / n, 4),
             "decode_s": round(sum(r.timings["decode_s"] for r in results) / n, 4),
             "post_s": round(sum(post) / n, 4),
-            "peak_memory_mib": round(mem.mib, 1),
+            "peak_memory_mib": round(mems[row.row], 1),
             "denoiser_evaluations_per_clip": stats["denoiser_rows"],
             "work": {k: v for k, v in stats.items() if k not in ("denoiser_rows", "steps", "guidance_mode")},
             "note": row.note,
@@ -291,7 +302,7 @@ def decoder_section(renderer: Renderer, info: ModelInfo, reqs) -> list[dict]:
 
 
 def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float = 1.0, device: str = "cpu",
-          compile_how: str = "torch", clips: int = 4, progress=None) -> dict:
+          compile_how: str = "torch", clips: int = 4, repeat: int = 3, progress=None) -> dict:
     """Run the ladder and the side sections; returns everything as a JSON-ready dict."""
     if msg := info.check_frames(frames) or info.check_size(*size):
         raise ValueError(f"bench: {frames} frames at {size[0]}x{size[1]}: {msg}")
@@ -302,7 +313,7 @@ def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float =
     rows = ladder(info, size, frames, guidance, compile_how)
     for r in rows:
         r.clips = min(r.clips, clips)
-    run_rows(renderer, rows, reqs, device, progress)
+    run_rows(renderer, rows, reqs, device, repeat, progress)
     finish(rows, flops, device)
     if progress:
         progress("guidance modes")
@@ -319,6 +330,7 @@ def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float =
         "torch": torch.__version__,
         "size": list(size),
         "frames": frames,
+        "repeat": repeat,
         "dtype": str(renderer.dtype).replace("torch.", ""),
         "rows": [r.out for r in rows],
         "best_row": best.row,

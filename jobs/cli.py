@@ -733,11 +733,13 @@ def _interp_bench(as_json: bool) -> None:
 @click.option("--guidance", type=float, default=1.0, show_default=True,
               help="Guidance of rows 1-7 (1.0: off, as distilled models run; row 0 always uses CFG 7.5).")
 @click.option("--clips", type=click.IntRange(4, 16), default=4, show_default=True, help="Clips per row (row 0 renders one).")
+@click.option("--repeat", type=click.IntRange(1, 10), default=3, show_default=True,
+              help="Rounds over all rows, interleaved; each row reports its median.")
 @click.option("--compile", "compile_how", type=click.Choice(["torch", "tensorrt"]), default="torch", show_default=True,
               help="What row 7 compiles with (GPU only; elsewhere row 7 says why and runs uncompiled).")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def bench_cmd(model, arch, size, frames, guidance, clips, compile_how, device, as_json):
+def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -766,7 +768,7 @@ def bench_cmd(model, arch, size, frames, guidance, clips, compile_how, device, a
         n_frames = frames or info.default_frames
         if msg := info.check_frames(n_frames):
             raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
-        result = bench(info, size_t, n_frames, guidance, device, compile_how, clips,
+        result = bench(info, size_t, n_frames, guidance, device, compile_how, clips, repeat,
                        progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")))
     except (ModelError, ValueError) as e:
         raise click.ClickException(str(e))

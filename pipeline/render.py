@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pipeline.deepcache import DeepCache, DeepCacheConfig
-from pipeline.guidance import GuidedDenoiser, alpha_bar_fn, effective_mode
+from pipeline.guidance import OVEREXPOSE_LIMIT, GuidedDenoiser, alpha_bar_fn, effective_mode
 from pipeline.models import ModelInfo, load_pipeline, load_tiny_vae
 from pipeline.prompt_cache import PromptEmbeddingCache
 from pipeline.sampler import TIERS, make_scheduler, sample
@@ -195,6 +195,9 @@ class Renderer:
         if msg := self.info.check_frames(first.frames) or self.info.check_size(first.width, first.height):
             raise ValueError(f"render(): {first.frames} frames at {first.width}x{first.height}: {msg}")
         mode = effective_mode(settings.guidance_mode, settings.guidance)
+        if self.info.guidance_distilled and settings.guidance > OVEREXPOSE_LIMIT and settings.step_count is None:
+            log.warning("guidance %g on a distilled few-step model: above %g its clips over-expose (blown-out, "
+                        "saturated frames); it is made for 1.0-2.0", settings.guidance, OVEREXPOSE_LIMIT)
         t0 = time.perf_counter()
 
         # 1. text embeddings (n, tokens, dim), from the LRU where the prompt was seen before

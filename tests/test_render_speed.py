@@ -1,0 +1,330 @@
+"""Render speed layers on the tiny AnimateDiff and tiny Wan models: exactness of the text K/V
+cache, cache reset between jobs, DeepCache and FirstBlockCache, guidance modes, out-of-memory
+halving, model families, and the bench ladder's JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.deepcache import DeepCache, DeepCacheConfig
+from pipeline.models import model_info
+from pipeline.prompt_cache import PromptEmbeddingCache
+from pipeline.render import ClipRequest, GroupSettings, Renderer, RenderOptions
+from pipeline.textkv import TextKVCache
+
+PLAIN = RenderOptions(text_kv=False, prompt_cache=0)
+
+
+@pytest.fixture(scope="module")
+def ad():
+    return Renderer(model_info("tiny"), options=PLAIN)
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return Renderer(model_info("tiny-wan"), options=PLAIN)
+
+
+def reqs(n, frames=8, size=64, prompt="a bowl of noodles, orbit"):
+    return [ClipRequest(i, f"{prompt} {i}", 100 + i, frames, size, size, "blurry, text") for i in range(n)]
+
+
+def frames_of(results):
+    return np.stack([r.frames for r in results]).astype(int)
+
+
+# -- text K/V cache ------------------------------------------------------------------------------
+
+def test_text_kv_cache_is_exact_on_the_unet_in_float32(ad):
+    unet = ad.pipe.unet
+    torch.manual_seed(0)
+    frames = 8
+    cond = torch.randn(2, 256, 32)
+    neg = torch.randn(2, 256, 32)
+    both = torch.cat([neg.repeat_interleave(frames, 0), cond.repeat_interleave(frames, 0)])
+    x = torch.randn(4, 4, frames, 8, 8)
+    with torch.no_grad():
+        plain = [unet(x, torch.tensor(t), encoder_hidden_states=both).sample for t in (999, 500)]
+        cache = TextKVCache(unet)
+        try:
+            cache.bind(both, [("uncond", neg, frames), ("cond", cond, frames)])
+            cached = [unet(x, torch.tensor(t), encoder_hidden_states=both).sample for t in (999, 500)]
+            # per layer: one entry for uncond and one for cond, projected once, reused at step 2
+            n_layers = sum(1 for m in unet.modules() if getattr(m, "is_cross_attention", False))
+            assert cache.entries == 2 * n_layers
+            assert cache.stats.projected == 4 * n_layers  # 2 prompts x (cond + uncond), once
+            assert cache.stats.avoided == 2 * 2 * 2 * frames * n_layers - 4 * n_layers
+        finally:
+            cache.remove()
+        restored = unet(x, torch.tensor(999), encoder_hidden_states=both).sample
+    for p, c in zip(plain, cached):
+        assert (p - c).abs().max().item() <= 1e-5
+    assert torch.equal(restored, plain[0])  # remove() put the original processors back
+
+
+def test_text_kv_cache_is_exact_on_the_wan_dit_in_float32(wan):
+    tr = wan.pipe.transformer
+    torch.manual_seed(0)
+    cond, neg = torch.randn(1, 226, 32), torch.randn(1, 226, 32)
+    x = torch.randn(1, 16, 3, 8, 8)
+
+    def run():
+        out = []
+        for t in (999, 500):
+            for e in (cond, neg):  # Wan runs cond and uncond as separate passes
+                out.append(tr(hidden_states=x, timestep=torch.tensor([t]), encoder_hidden_states=e, return_dict=False)[0])
+        return out
+
+    with torch.no_grad():
+        plain = run()
+        cache = TextKVCache(tr)
+        try:
+            cached = run()
+            assert cache.entries == 2 * len(tr.blocks)  # cond and uncond entries per block
+            assert cache.stats.projected == 2 * len(tr.blocks)
+            assert cache.stats.avoided == 2 * len(tr.blocks)  # the second step reused both
+        finally:
+            cache.remove()
+        assert torch.equal(tr(hidden_states=x, timestep=torch.tensor([999]), encoder_hidden_states=cond,
+                              return_dict=False)[0], plain[0])
+    for p, c in zip(plain, cached):
+        assert (p - c).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("mode,g", [("cfg", 1.0), ("cfg", 3.0), ("rcfg-onetime", 3.0)])
+def test_renders_with_and_without_text_kv_are_identical(ad, mode, g):
+    s = GroupSettings(guidance=g, guidance_mode=mode)
+    ad.configure(PLAIN)
+    plain = frames_of(ad.render(reqs(2), s))
+    ad.configure(RenderOptions())
+    cached = ad.render(reqs(2), s)
+    assert np.array_equal(frames_of(cached), plain)
+    assert cached[0].stats["kv_rows_avoided"] > 0
+    assert ad.text_kv.entries == 0  # reset when the group ended
+    ad.configure(PLAIN)
+
+
+def test_cache_state_never_leaks_from_one_job_to_the_next(ad, wan):
+    """Job B rendered after job A equals job B on a fresh renderer, with every cache on, for both
+    families; and the per-generation caches are empty between groups."""
+    on = RenderOptions(feature_cache=True)
+    for r in (ad, wan):
+        info = r.info
+        a = [ClipRequest("a", "a red bowl of ramen, orbit", 1, info.default_frames, 64, 64, "text")]
+        b = [ClipRequest("b", "iced coffee in a glass, pan left", 2, info.default_frames, 64, 64, "blurry")]
+        s = GroupSettings(tier="fast", sampler=info.scheduler, guidance=2.0)
+        r.configure(on)
+        r.render(a, s)
+        after_a = r.render(b, s)[0].frames
+        assert r.text_kv.entries == 0
+        if r.deepcache is not None:
+            assert r.deepcache.state.outputs == {} and r.deepcache.state.step == 0
+        fresh = Renderer(info, options=on)
+        assert np.array_equal(fresh.render(b, s)[0].frames, after_a), info.family
+        r.configure(PLAIN)
+
+
+def test_prompt_embedding_lru_encodes_each_distinct_prompt_once():
+    calls = []
+
+    def encode(texts):
+        calls.append(list(texts))
+        return torch.stack([torch.full((3, 2), float(len(t))) for t in texts])
+
+    c = PromptEmbeddingCache(maxsize=2)
+    out = c.get(["ab", "abc", "ab"], encode)
+    assert calls == [["ab", "abc"]] and out.shape == (3, 3, 2) and out[2, 0, 0] == 2
+    c.get(["abc", "ab"], encode)
+    assert len(calls) == 1 and (c.hits, c.misses) == (3, 2)
+    c.get(["abcd"], encode)  # evicts the least recently used ("abc")
+    assert len(c) == 2
+    c.get(["abc"], encode)
+    assert calls[-1] == ["abc"]
+    with pytest.raises(ValueError, match="maxsize=0"):
+        PromptEmbeddingCache(0)
+
+
+def test_renderer_encodes_a_repeated_template_once(ad):
+    ad.configure(RenderOptions())
+    same = [ClipRequest(i, "ramen on a table, orbit", i, 8, 64, 64) for i in range(4)]
+    ad.render(same, GroupSettings())
+    ad.render(same[:2], GroupSettings())
+    assert (ad.prompts.misses, ad.prompts.hits) == (1, 5)
+    ad.configure(PLAIN)
+
+
+# -- feature caches ------------------------------------------------------------------------------
+
+def test_deepcache_skips_deep_blocks_on_alternate_steps_and_is_removable(ad):
+    s = GroupSettings(tier="quality")
+    base = frames_of(ad.render(reqs(1), s))
+    ad.configure(replace(PLAIN, feature_cache=True, deepcache=DeepCacheConfig(interval=2, branch=1)))
+    res = ad.render(reqs(1), s)
+    st = res[0].stats
+    assert (st["full_steps"], st["cached_steps"]) == (4, 4)
+    assert st["blocks_skipped"] == 4 * 3  # down_blocks.1, mid_block, up_blocks.0 on each cached step
+    cached = frames_of(res)
+    assert not np.array_equal(cached, base)  # approximate ...
+    mse = ((cached - base) ** 2).mean()
+    assert 10 * np.log10(255**2 / mse) > 30  # ... within the bound
+    ad.configure(PLAIN)  # removes the hooks: exact again
+    assert np.array_equal(frames_of(ad.render(reqs(1), s)), base)
+    with pytest.raises(ValueError, match="branch=2: this UNet has 2 levels"):
+        DeepCache(ad.pipe.unet, DeepCacheConfig(branch=2))
+    with pytest.raises(ValueError, match="interval=0"):
+        DeepCacheConfig(interval=0)
+
+
+def test_wan_feature_cache_is_diffusers_first_block_cache_per_tier(wan):
+    wan.configure(replace(PLAIN, feature_cache=True))
+    for tier in ("fast", "quality"):
+        r = wan.render(reqs(1, frames=9), GroupSettings(tier=tier, sampler="flow"))[0]
+        assert wan.denoiser.is_cache_enabled and wan.dit_cache_tier == tier
+        assert r.stats["blocks_run"] + r.stats["blocks_skipped"] == r.stats["steps"] * len(wan.denoiser.blocks)
+    wan.configure(PLAIN)
+    assert not wan.denoiser.is_cache_enabled
+
+
+# -- guidance ------------------------------------------------------------------------------------
+
+def test_guidance_modes_cost_what_they_say(ad):
+    counts = {}
+    for mode, g in (("cfg", 3.0), ("rcfg-self", 3.0), ("rcfg-onetime", 3.0), ("cfg", 1.0)):
+        r = ad.render(reqs(2), GroupSettings(guidance=g, guidance_mode=mode))
+        counts[r[0].stats["guidance_mode"]] = r[0].stats["denoiser_rows"]
+        assert r[0].frames.std() > 0
+    assert counts == {"cfg": 12, "rcfg-self": 6, "rcfg-onetime": 7, "none": 6}
+
+
+def test_rcfg_is_refused_on_a_flow_matching_model(wan):
+    with pytest.raises(ValueError, match="R-CFG needs an epsilon-prediction scheduler"):
+        wan.render(reqs(1, frames=9), GroupSettings(sampler="flow", guidance=3.0, guidance_mode="rcfg-self"))
+
+
+def test_distilled_model_with_high_cfg_is_warned_about(tmp_path):
+    (tmp_path / "p.csv").write_text("prompt\nramen on a table\n")
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "p.csv", "--guidance", "7.5", "--out", "o"],
+                          cwd=tmp_path, capture_output=True, text=True,
+                          env={**__import__("os").environ, "CLIPMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"})
+    assert proc.returncode == 0, proc.stderr
+    assert "--guidance 7.5: distilled few-step models over-expose" in proc.stderr
+
+
+# -- batching and memory -------------------------------------------------------------------------
+
+def test_out_of_memory_splits_the_group_in_halves_and_loses_no_clip(ad):
+    """A device that fits two clips per call: a group of four is rendered as two halves, each
+    clip as it would be alone, and every result says it was split."""
+    s = GroupSettings()
+    alone = [ad.render([r], s)[0].frames for r in reqs(4)]
+
+    def budget(module, args, kwargs):
+        if args[0].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    handle = ad.pipe.unet.register_forward_pre_hook(budget, with_kwargs=True)
+    try:
+        res = ad.render(reqs(4), s)
+    finally:
+        handle.remove()
+
+    def nothing_fits(module, args, kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    handle = ad.pipe.unet.register_forward_pre_hook(nothing_fits, with_kwargs=True)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):  # one clip that does not fit: raised, for the retry policy
+            ad.render(reqs(2), s)
+    finally:
+        handle.remove()
+    assert [r.key for r in res] == [0, 1, 2, 3]
+    assert all(r.timings["oom_splits"] == 1 and r.timings["group_size"] == 2 for r in res)
+    for r, a in zip(res, alone):
+        assert np.abs(r.frames.astype(int) - a.astype(int)).max() <= 2
+
+
+def test_alone_and_in_a_batch_of_four_match_with_every_layer_on(ad):
+    ad.configure(RenderOptions(feature_cache=True))
+    s = GroupSettings(guidance=2.0, guidance_mode="rcfg-self")
+    group = ad.render(reqs(4), s)
+    alone = ad.render([reqs(4)[2]], s)[0]
+    d = np.abs(group[2].frames.astype(int) - alone.frames.astype(int))
+    assert d.max() <= 2 and d.mean() < 0.05
+    ad.configure(PLAIN)
+
+
+def test_tiled_and_tiny_decoders(ad):
+    s = GroupSettings()
+    base = ad.render(reqs(1), s)[0].frames
+    ad.configure(replace(PLAIN, tiling="on"))
+    tiled = ad.render(reqs(1), s)[0].frames
+    assert tiled.shape == base.shape  # tiles at 64 px are the whole frame: the same picture
+    ad.configure(replace(PLAIN, decoder="tiny"))
+    tiny = ad.render(reqs(1), s)[0].frames
+    assert tiny.shape == base.shape and tiny.std() > 0
+    ad.configure(PLAIN)
+
+
+def test_compile_without_a_gpu_says_why_and_renders_plain(ad):
+    ad.configure(replace(PLAIN, compile="torch"))
+    assert ad.compiled is None and "needs a CUDA GPU" in ad.compile_message
+    assert ad.render(reqs(1), GroupSettings())[0].frames.shape == (8, 64, 64, 3)
+    ad.configure(replace(PLAIN, compile="tensorrt"))
+    assert ad.compiled is None and "needs a CUDA GPU" in ad.compile_message
+    ad.configure(PLAIN)
+
+
+# -- families ------------------------------------------------------------------------------------
+
+def test_families_say_what_frames_and_sizes_they_take():
+    a, w = model_info("tiny"), model_info("tiny-wan")
+    assert (a.family, w.family) == ("animatediff", "wan")
+    assert a.check_frames(16) is None and w.check_frames(17) is None
+    assert w.check_frames(16) == "the wan model takes 4k+1 from 5 to 81 (5, 9, ...) frames"
+    assert a.check_frames(40) == "the animatediff model takes an integer from 8 to 32 frames"
+    assert w.check_size(72, 64) == "the wan model takes sides that are multiples of 16 from 64 to 1280"
+    with pytest.raises(ValueError, match="16 frames at 64x64: the wan model takes 4k\\+1"):
+        Renderer(w, options=PLAIN).render(reqs(1, frames=16), GroupSettings(sampler="flow"))
+
+
+def test_submit_refuses_frame_counts_wan_cannot_take(tmp_path):
+    (tmp_path / "w.csv").write_text("prompt,frames\nramen,17\ncoffee,16\n")
+    env = {**__import__("os").environ, "CLIPMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"}
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "w.csv", "--model", "tiny-wan"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode == 1
+    assert ("w.csv:3: frames: '16' is not a frame count this model takes; allowed: 4k+1 from 5 to 81 (5, 9, ...)"
+            in proc.stderr)
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "w.csv", "--model", "tiny-wan", "--frames", "20"],
+                          cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert proc.returncode == 2 and "--frames: 20: the wan model takes 4k+1 from 5 to 81" in proc.stderr
+
+
+# -- the ladder ----------------------------------------------------------------------------------
+
+def test_bench_json_has_every_row_with_ratios_and_deviations(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "bench", "--model", "tiny", "--size", "64", "--frames", "8",
+                           "--repeat", "1", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    rows = {r["row"]: r for r in res["rows"]}
+    assert list(rows) == [str(i) for i in range(8)]
+    assert [rows[k]["denoiser_evaluations_per_clip"] for k in "012"] == [100, 8, 6]
+    assert rows["0"]["speedup_render"] == 1.0 and rows["2"]["speedup_render"] > 3
+    assert rows["3"]["psnr_vs_twin_db"] is None and rows["3"]["max_abs_diff_vs_twin"] == 0  # exact
+    assert rows["3"]["work"]["kv_rows_avoided"] > 0
+    assert rows["4"]["work"]["blocks_skipped"] > 0 and rows["4"]["psnr_vs_twin_db"] > 30
+    assert rows["6"]["batch"] == 4 and rows["6"]["max_abs_diff_vs_twin"] <= 2
+    assert "needs a CUDA GPU" in rows["7"]["note"]
+    for r in rows.values():
+        for k in ("render_s_per_clip", "end_to_end_s_per_clip", "speedup_end_to_end", "peak_memory_mib", "post_s"):
+            assert r[k] is not None and r[k] >= 0
+    assert {g["mode"] for g in res["guidance_modes"]} == {"cfg", "rcfg-self", "rcfg-onetime", "none"}
+    assert [d["decoder"] for d in res["decoders"]] == ["vae", "tiny"]
