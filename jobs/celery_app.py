@@ -29,7 +29,11 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_transport_options={
         "visibility_timeout": VISIBILITY_TIMEOUT_S,
-        "queue_order_strategy": "priority",  # Redis has no native priorities
+        # Redis has no native message priorities: kombu keeps one list per step and serves
+        # step 0 first. Its default steps (0, 3, 6, 9) would merge neighbouring priorities, so
+        # use all ten (jobs.dispatch.broker_priority maps a job's priority onto them).
+        "priority_steps": list(range(10)),
+        "queue_order_strategy": "priority",  # a worker on several queues serves them in order
     },
     task_routes={"clipmill.render": {"queue": "render"}, "clipmill.post": {"queue": "post"}},
     task_default_queue="render",

@@ -328,7 +328,10 @@ def worker(queues, gpu, concurrency, loglevel):
             raise click.UsageError("--gpu is for --queues render")
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     name = f"{queues}{'' if gpu is None else gpu}-{os.getpid()}@%h"
-    pool = ["--pool", "solo"] if queues == "render" else ["--pool", "threads", "--concurrency", str(concurrency)]
+    # solo: one task at a time, and concurrency 1 so that prefetch 1 reserves no second message
+    # (Celery reserves multiplier x concurrency, and concurrency defaults to the CPU count)
+    pool = (["--pool", "solo", "--concurrency", "1"] if queues == "render"
+            else ["--pool", "threads", "--concurrency", str(concurrency)])
     app.worker_main(["worker", "-Q", queues, "-n", name, "--loglevel", loglevel, "--without-gossip",
                      "--without-mingle", *pool])
 

@@ -20,6 +20,14 @@ class BrokerDown(RuntimeError):
     pass
 
 
+def broker_priority(priority: int) -> int:
+    """The Redis message priority for a job's priority. clipmill: higher goes first, any integer.
+    kombu's Redis transport: 0 is served first, 9 last (with ``priority_steps`` 0..9, see
+    jobs.celery_app). Priorities 9 and above share the first place, 0 and below the last; the
+    job table's claim order (priority, then id) breaks ties within a group."""
+    return max(0, min(9, 9 - int(priority or 0)))
+
+
 def send_render(db: Database, job_ids: list[int]) -> int:
     """Send one render message per job; mark them sent. Raises BrokerDown if Redis is unreachable."""
     from kombu.exceptions import OperationalError
@@ -31,8 +39,7 @@ def send_render(db: Database, job_ids: list[int]) -> int:
         prio = dict(s.execute(select(Job.id, Job.priority).where(Job.id.in_(job_ids))).all())
     try:
         for jid in job_ids:
-            # kombu's Redis priorities: 0 is the highest; clipmill's priority: higher goes first
-            render.apply_async((jid,), priority=max(0, min(9, 9 - prio.get(jid, 0))), queue="render", retry=False)
+            render.apply_async((jid,), priority=broker_priority(prio.get(jid, 0)), queue="render", retry=False)
             sent.append(jid)
     except OperationalError as e:
         raise BrokerDown(str(e)) from e

@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import select, update
+from sqlalchemy import exists, select, update
 
 from jobs.db import Database
 from jobs.models import Attempt, Batch, Job
@@ -61,7 +61,9 @@ def claim_group(
 
     Compatible means same model, sampler, guidance, tier, frames and size. The first job is
     ``first_job_id`` if given (and still queued), else the highest-priority, oldest queued one;
-    the rest must match it.
+    the rest must match it. A job with a failed attempt (a render error such as out of memory,
+    or a worker lost) renders alone: a group of one may fit where the group did not, and a
+    poison job takes no healthy jobs down with it.
     """
     with db.session() as s, s.begin():
         base = select(Job, Batch).join(Batch).where(Job.state == JobState.QUEUED.value)
@@ -72,9 +74,13 @@ def claim_group(
         if first is None:
             return []
         job, batch = first
-        rest = s.execute(
+        failed_before = exists().where(Attempt.job_id == Job.id, Attempt.state == AttemptState.FAILED.value)
+        alone = s.scalar(select(exists().where(
+            Attempt.job_id == job.id, Attempt.state == AttemptState.FAILED.value)))
+        rest = [] if alone or size <= 1 else s.execute(
             _for_update(
                 base.where(
+                    ~failed_before,
                     Job.id != job.id,
                     Batch.model == batch.model,
                     Batch.sampler == batch.sampler,

@@ -74,19 +74,40 @@ def render(job_id: int) -> list[int]:
         done = render_group(ctx, [c.attempt_id for c in claimed])
     for attempt_id in done:
         post.apply_async((attempt_id,), queue="post")
+    # a render error sends the group's jobs back to queued while they have attempts left: send
+    # them again now (not at the next reconcile); out of attempts, they are failed and stay so
+    _send_queued_again(ctx.db, [c.job_id for c in claimed if c.attempt_id not in done])
     return done
+
+
+def _send_queued_again(db, job_ids: list[int]) -> None:
+    """Send a render message for those of ``job_ids`` that are queued again (with their
+    priority). If the broker is unreachable, reconcile sends them later."""
+    if not job_ids:
+        return
+    from sqlalchemy import select
+
+    from jobs.dispatch import BrokerDown, send_render
+    from jobs.models import Job
+
+    with db.session() as s:
+        queued = list(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.state == "queued").order_by(Job.id)))
+    if queued:
+        try:
+            send_render(db, queued)
+        except BrokerDown as e:
+            log.warning("jobs %s queued again, but the broker is unreachable (%s); reconcile will send them", queued, e)
 
 
 @app.task(name="clipmill.post")
 def post(attempt_id: int) -> str | None:
-    from jobs.models import Attempt, Job
+    from jobs.models import Attempt
     from jobs.stages import post_attempt
 
     ctx = context()
     verdict = post_attempt(ctx, attempt_id)
     with ctx.db.session() as s:
         a = s.get(Attempt, attempt_id)
-        job = s.get(Job, a.job_id) if a else None
-    if job is not None and job.state == "queued":  # a QC retry: render it again
-        render.apply_async((job.id,), priority=job.priority, queue="render")
+    if a is not None:  # a QC retry (or a post error with attempts left): render it again
+        _send_queued_again(ctx.db, [a.job_id])
     return verdict

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -39,13 +40,15 @@ def broker():
 
 @pytest.fixture
 def farm(pg_url, broker, tmp_path, tiny_cache):
-    env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url, CLIPMILL_BROKER_URL=broker, CLIPMILL_DEVICE="cpu")
+    # one torch/OpenCV thread per process: render and post workers share 2 CI cores
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url, CLIPMILL_BROKER_URL=broker, CLIPMILL_DEVICE="cpu",
+               OMP_NUM_THREADS="1")
     procs: list[subprocess.Popen] = []
 
-    def start(*args):
+    def start(*args, extra_env=None):
         log = open(tmp_path / f"worker-{len(procs)}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", *args, "--loglevel", "INFO"], env=env,
-                             cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", *args, "--loglevel", "INFO"],
+                             env=dict(env, **(extra_env or {})), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         procs.append(p)
         return p
 
@@ -63,8 +66,25 @@ def farm(pg_url, broker, tmp_path, tiny_cache):
     db.dispose()
 
 
-def write_batch(tmp_path, n):
-    (tmp_path / "b.csv").write_text("prompt,seed\n" + "".join(f'"dish {i}, orbit",{i}\n' for i in range(n)))
+def write_batch(tmp_path, n, name="b"):
+    (tmp_path / f"{name}.csv").write_text("prompt,seed\n" + "".join(f'"dish {i}, orbit",{i}\n' for i in range(n)))
+
+
+def wait_for(db, what, check, timeout=180, every=0.05):
+    """Poll ``check(session)`` until it is true; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with db.session() as s:
+            if check(s):
+                return
+        time.sleep(every)
+    with db.session() as s:
+        states = s.execute(select(Job.id, Job.batch_id, Job.state, Job.attempts_made)).all()
+    pytest.fail(f"{what}: not within {timeout} s; jobs: {states}")
+
+
+def count(s, *where, of=Job):
+    return s.scalar(select(func.count()).select_from(of).where(*where))
 
 
 def wait_all_final(db, n, timeout=240):
@@ -202,3 +222,140 @@ def test_redis_restart_mid_batch_then_reconcile_loses_nothing(pg_url, tmp_path, 
             stop(w)
         stop(redis_proc)
         db.dispose()
+
+
+def test_urgent_batch_goes_ahead_of_the_nightly_one(farm, tmp_path):
+    """A nightly batch is rendering (QC retries included: tiny clips are noise, so QC rejects
+    each and the post worker sends a retry), then an urgent batch is submitted. The one render
+    worker (groups of one) renders the urgent jobs next, before the rest of the nightly ones."""
+    env, start, cli, db = farm
+    out = str(tmp_path / "out")
+    start("--queues", "render", extra_env={"CLIPMILL_GROUP_SIZE": "1"})
+    start("--queues", "post", "--concurrency", "1")
+    write_batch(tmp_path, 12, "nightly")
+    cli("submit", "nightly.csv", "--batch", "nightly", "--out", out, "--size", "64", "--frames", "16",
+        "--max-attempts", "2")
+    wait_for(db, "a nightly QC retry queued", lambda s: count(
+        s, Job.batch_id == "nightly", Job.state == "queued", Job.attempts_made >= 1))
+    with db.session() as s:
+        nightly_left = count(s, Job.batch_id == "nightly", Job.state == "queued")
+    assert nightly_left >= 2, "the nightly batch ran out before the urgent one came; nothing to compare"
+    write_batch(tmp_path, 3, "urgent")
+    cli("submit", "urgent.csv", "--batch", "urgent", "--out", out, "--size", "64", "--frames", "16",
+        "--max-attempts", "1", "--priority", "5")
+
+    def urgent_then_nightly(s):
+        if count(s, Job.batch_id == "urgent", Job.attempts_made == 1) < 3:
+            return False
+        last = s.scalar(select(func.max(Attempt.id)).join(Job).where(Job.batch_id == "urgent"))
+        return s.scalar(select(func.count()).select_from(Attempt).join(Job).where(
+            Job.batch_id == "nightly", Attempt.id > last)) > 0
+
+    wait_for(db, "the urgent jobs rendered, then a nightly one", urgent_then_nightly)
+    with db.session() as s:
+        sent = s.scalar(select(func.max(Job.enqueued_at)).where(Job.batch_id == "urgent"))  # all in Redis by then
+        rows = s.execute(select(Attempt.id, Job.batch_id, Attempt.number, Attempt.started_at).join(Job)
+                         .order_by(Attempt.id)).all()  # one worker: ids in claim order
+    first = next(i for i, r in enumerate(rows) if r.batch_id == "urgent")
+    assert [r.batch_id for r in rows[first:first + 3]] == ["urgent"] * 3, rows
+    # no nightly job (first attempt or QC retry) was claimed once the urgent messages were in
+    # Redis, but for one popped in the instant they were landing
+    jumped = [r for r in rows[:first] if r.started_at > sent]
+    assert len(jumped) <= 1, (sent, rows)
+    assert any(r.batch_id == "nightly" for r in rows[first + 3:])  # the rest of the nightly batch came after
+
+
+def wait_log(path, text, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and text in path.read_text():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"{path.name} never said {text!r}:\n{path.read_text() if path.exists() else ''}")
+
+
+def test_two_render_workers_race_for_the_same_jobs_one_attempt_wins(farm, broker, tmp_path):
+    """Every job's render message is in the queue twice, one copy after the other (a message
+    delivered twice, or sent by two reconcilers), and two idle render workers take them at the
+    same time: each job is claimed once, rendered once, one clip."""
+    from celery import Celery
+
+    from jobs.celery_app import app
+
+    env, start, cli, db = farm
+    write_batch(tmp_path, 6)
+    cli("submit", "b.csv", "--batch", "b", "--out", str(tmp_path / "out"), "--size", "64", "--frames", "8",
+        "--max-attempts", "1", extra_env={"CLIPMILL_BROKER_URL": "redis://127.0.0.1:1/0"})  # committed, not sent
+    for _ in range(2):
+        start("--queues", "render", extra_env={"CLIPMILL_GROUP_SIZE": "1"})
+    start("--queues", "post", "--concurrency", "2")
+    for i in range(3):
+        wait_log(tmp_path / f"worker-{i}.log", " ready.")
+    with db.session() as s:
+        ids = list(s.scalars(select(Job.id).order_by(Job.id)))
+    client = Celery("race", broker=broker)
+    client.conf.update(broker_transport_options=app.conf.broker_transport_options, task_serializer="json")
+    for jid in ids:
+        for _ in range(2):
+            client.send_task("clipmill.render", args=(jid,), queue="render", priority=9)
+    client.close()
+
+    wait_all_final(db, 6)
+    assert_exactly_once(db, tmp_path / "out")
+    with db.session() as s:
+        attempts = s.scalars(select(Attempt)).all()
+        assert {j.attempts_made for j in s.scalars(select(Job))} == {1}
+    assert len(attempts) == 6 and {a.state for a in attempts} <= {"passed", "rejected"}
+    assert len({a.worker for a in attempts}) == 2  # both workers won some of the races
+    logs = [(tmp_path / f"worker-{i}.log").read_text() for i in range(2)]
+    # the second copy of every message found its job taken and did nothing
+    assert sum(log.count("not queued any more; nothing to do") for log in logs) == 6
+    assert sum(log.count("group of 1: jobs") for log in logs) == 6
+
+
+def test_poison_job_always_out_of_memory_fails_after_n_attempts(farm, broker, tmp_path):
+    """A job far too big for its worker's memory (a 1536x1536, 32-frame clip on a worker whose
+    address space is capped a few hundred MB above its warm size) runs out of memory on every
+    attempt: a real allocator error, not a simulated one. It ends failed after --max-attempts
+    with that reason, is never sent again, and the worker goes on with the next job."""
+    import resource
+
+    import redis
+
+    env, start, cli, db = farm
+    out = str(tmp_path / "out")
+    worker = start("--queues", "render")
+    write_batch(tmp_path, 1, "warm")
+    cli("submit", "warm.csv", "--batch", "warm", "--out", out, "--size", "64", "--frames", "8", "--max-attempts", "1")
+    wait_for(db, "the warm-up job rendered", lambda s: count(s, Job.batch_id == "warm", Job.state == "post"))
+    status = (Path(f"/proc/{worker.pid}/status")).read_text()
+    vm_kb = int(next(x for x in status.splitlines() if x.startswith("VmSize:")).split()[1])
+    cap = (vm_kb + 600 * 1024) * 1024
+    resource.prlimit(worker.pid, resource.RLIMIT_AS, (cap, cap))
+
+    (tmp_path / "huge.csv").write_text('prompt,seed,size,frames\n"dish, orbit",1,1536,32\n')
+    cli("submit", "huge.csv", "--batch", "huge", "--out", out, "--max-attempts", "3")
+    wait_for(db, "the poison job failed", lambda s: count(s, Job.batch_id == "huge", Job.state == "failed"), timeout=240)
+    with db.session() as s:
+        job = s.scalars(select(Job).where(Job.batch_id == "huge")).one()
+        attempts = s.scalars(select(Attempt).where(Attempt.job_id == job.id).order_by(Attempt.number)).all()
+    assert job.attempts_made == 3 and [a.number for a in attempts] == [1, 2, 3]
+    assert all(a.state == "failed" and "can't allocate memory" in a.error for a in attempts), [a.error for a in attempts]
+    assert "can't allocate memory" in job.error
+    assert not list((tmp_path / "out" / "huge").rglob("*.mp4"))
+
+    # never redelivered: no render message left or unacked, and reconcile has nothing to send
+    r = redis.Redis.from_url(broker)
+    deadline = time.time() + 30
+    while time.time() < deadline and (r.keys("render*") or r.hlen("unacked")):
+        time.sleep(0.2)
+    assert not r.keys("render*") and r.hlen("unacked") == 0, (r.keys("*"), r.hlen("unacked"))
+    assert "render messages sent 0" in cli("reconcile", "--stale", "0").stdout
+    with db.session() as s:
+        assert s.get(Job, job.id).attempts_made == 3
+
+    # the worker survived its out-of-memory errors and renders the next job
+    write_batch(tmp_path, 1, "after")
+    cli("submit", "after.csv", "--batch", "after", "--out", out, "--size", "64", "--frames", "8", "--max-attempts", "1")
+    wait_for(db, "the next job rendered", lambda s: count(s, Job.batch_id == "after", Job.state == "post"))
+    assert worker.poll() is None

@@ -118,6 +118,25 @@ def test_groups_only_join_compatible_jobs(db, tmp_path):
     assert prompts == ["a", "c", "e"]
 
 
+def test_a_job_whose_attempt_failed_renders_alone(db, tmp_path):
+    """After a group's render error (out of memory, say) its jobs are retried one by one: a
+    group of one may fit, and a poison job takes no healthy job down with it again."""
+    from jobs.stages import _fail
+
+    make_batch(db, tmp_path, rows=3)
+    group = claim_group(db, "w", "b", size=4)
+    assert len(group) == 3
+    for c in group:
+        _fail(db, c.attempt_id, "Traceback ...\nRuntimeError: CUDA out of memory")
+    fresh = make_batch(db, tmp_path, rows=2, name="c")  # compatible with b's jobs
+    with db.session() as s:
+        assert [j.state for j in s.scalars(select(Job).where(Job.batch_id == "b"))] == ["queued"] * 3
+    alone = claim_group(db, "w", None, size=4)  # head: b's first job, which failed before
+    assert [c.job_id for c in alone] == [group[0].job_id]
+    mates = claim_group(db, "w", None, size=4, first_job_id=fresh.job_ids[0])
+    assert [c.job_id for c in mates] == fresh.job_ids  # not joined by b's failed jobs
+
+
 def test_reclaim_takes_back_jobs_of_a_dead_worker(db, tmp_path):
     make_batch(db, tmp_path, rows=2)
     claim_group(db, "nohost.invalid:1", "b", lease_s=-1)  # an already expired lease
