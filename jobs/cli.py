@@ -337,6 +337,32 @@ def worker(queues, gpu, concurrency, loglevel):
 
 
 @main.command()
+@click.option("--schedule", "schedule_file", default="celerybeat-schedule", show_default=True,
+              help="File where beat keeps the last run of each entry.")
+@click.option("--loglevel", default="INFO", show_default=True)
+def beat(schedule_file, loglevel):
+    """Send the farm's periodic tasks (run exactly one per farm): reconcile every
+    CLIPMILL_RECONCILE_EVERY seconds (default 60; 0 turns it off) with CLIPMILL_RECONCILE_STALE
+    (600), and with CLIPMILL_NIGHTLY_AT=HH:MM the nightly run every day at that time, draining
+    the queue by CLIPMILL_NIGHTLY_DEADLINE (default 07:00). Times of day are in
+    CLIPMILL_TIMEZONE (default this host's zone). Post workers run both tasks.
+
+    \b
+    Example:
+      CLIPMILL_NIGHTLY_AT=21:00 CLIPMILL_NIGHTLY_DEADLINE=07:00 clipmill beat --schedule /data/beat-schedule
+    """
+    from jobs.celery_app import SCHEDULE_ERROR, app, broker_url
+
+    if not broker_url():
+        raise click.ClickException("CLIPMILL_BROKER_URL is not set; beat sends its tasks through the broker")
+    if SCHEDULE_ERROR is not None:
+        raise click.ClickException(str(SCHEDULE_ERROR))
+    for name, entry in app.conf.beat_schedule.items():
+        err.print(f"beat: {name}: {entry['task']} {entry['schedule']} {entry.get('kwargs', {})}", soft_wrap=True, markup=False)
+    app.start(["beat", "--schedule", schedule_file, "--loglevel", loglevel])
+
+
+@main.command()
 @click.option("--stale", type=float, default=600, show_default=True, help="Seconds after which a sent job is sent again.")
 def reconcile(stale):
     """Make the broker agree with the job table: take back jobs whose worker lease expired, send
@@ -416,17 +442,15 @@ def nightly(deadline, out_root, interval, group_size, device):
     passed clip, every tier change and why, every failure with its reason.
 
     In farm mode (CLIPMILL_BROKER_URL set) it supervises the workers and runs reconcile;
-    otherwise it renders here. A Celery beat or cron entry can start it in the evening.
+    otherwise it renders here. The Celery beat starts it in the evening when CLIPMILL_NIGHTLY_AT
+    is set (see `clipmill beat`); a cron entry can too.
 
     \b
     Example:
       clipmill nightly --deadline 07:00
     """
-    import time as _time
-    from datetime import datetime as _dt, timedelta
-
     from jobs.celery_app import broker_url
-    from jobs.nightly import Supervisor, parse_deadline, write_report
+    from jobs.nightly import Supervisor, parse_deadline, report_name, write_report
     from storage import open_storage
 
     try:
@@ -437,25 +461,9 @@ def nightly(deadline, out_root, interval, group_size, device):
     sup = Supervisor(db, when)
     err.print(f"nightly run until {when.isoformat(timespec='minutes')} ({sup.time_left() / 3600:.1f} h)")
     if broker_url():
-        from sqlalchemy import func, select
+        from jobs.nightly import run_farm
 
-        from jobs.dispatch import BrokerDown, reconcile as run_reconcile
-        from jobs.models import Attempt, Job
-        from jobs.nightly import OPEN
-
-        while sup.time_left() > 0:
-            try:
-                run_reconcile(db, stale_s=max(600.0, 4 * interval))
-            except BrokerDown as e:
-                err.print(f"[yellow]warning:[/] broker unreachable ({escape(str(e))}); retrying", soft_wrap=True)
-            with db.session() as s:
-                left = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(OPEN)))
-                since = _dt.now().astimezone() - timedelta(minutes=30)
-                workers = s.scalar(select(func.count(func.distinct(Attempt.worker))).where(Attempt.started_at >= since))
-            if not left:
-                break
-            sup.step(max(1, workers or 0))
-            _time.sleep(interval)
+        run_farm(db, sup, interval)
     else:
         from jobs.embedded import run_batch
         from jobs.stages import WorkerContext
@@ -468,7 +476,7 @@ def nightly(deadline, out_root, interval, group_size, device):
 
         run_batch(ctx, None, group_size, before_group=before_group)
     report = sup.report()
-    paths = write_report(report, open_storage(out_root), f"nightly-{report['started'][:10]}")
+    paths = write_report(report, open_storage(out_root), report_name(report))
     out.print(f"passed {report['passed']}, rejected {report['rejected']}, failed {report['failed']}, "
               f"not finished {report['not_finished']}, tier changes {len(report['tier_changes'])}")
     for p in paths:

@@ -156,4 +156,27 @@ def write_report(r: dict, storage, name: str) -> list[str]:
     ]
 
 
+def run_farm(db: Database, sup: Supervisor, interval: float = 30.0) -> None:
+    """Farm mode: until the deadline, or until no job is open, run reconcile and let the
+    scheduler measure and decide every ``interval`` seconds. The workers do the rendering."""
+    import time
 
+    from jobs.dispatch import BrokerDown, reconcile
+
+    while sup.time_left() > 0:
+        try:
+            reconcile(db, stale_s=max(600.0, 4 * interval))
+        except BrokerDown as e:
+            log.warning("nightly: broker unreachable (%s); retrying", e)
+        with db.session() as s:
+            left = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(OPEN)))
+            since = datetime.now(timezone.utc) - timedelta(minutes=30)
+            workers = s.scalar(select(func.count(func.distinct(Attempt.worker))).where(Attempt.started_at >= since))
+        if not left:
+            break
+        sup.step(max(1, workers or 0))
+        time.sleep(max(0.0, min(interval, sup.time_left())))
+
+
+def report_name(report: dict) -> str:
+    return f"nightly-{report['started'][:10]}"

@@ -111,3 +111,38 @@ def post(attempt_id: int) -> str | None:
     if a is not None:  # a QC retry (or a post error with attempts left): render it again
         _send_queued_again(ctx.db, [a.job_id])
     return verdict
+
+
+@app.task(name="clipmill.reconcile")
+def reconcile(stale_s: float = 600) -> dict:
+    """Beat's periodic safety net: jobs.dispatch.reconcile on this worker's database."""
+    from jobs.dispatch import reconcile as run_reconcile
+
+    res = run_reconcile(context().db, stale_s)
+    log.info("reconcile: %s", res)
+    return res
+
+
+# Acked when it starts, not when it ends: a run of hours must not come back when the broker's
+# visibility timeout expires. If its worker dies, the night goes on without tier changes or a
+# report; `clipmill nightly` can be started by hand.
+@app.task(name="clipmill.nightly", acks_late=False)
+def nightly(deadline: str = "07:00", out: str | None = None, interval: float = 30.0) -> dict:
+    """The nightly run started by beat: jobs.nightly's farm supervisor until ``deadline``
+    (HH:MM in the app's timezone, or +SECONDS), then the morning report under ``out``
+    (default: this worker's CLIPMILL_OUT)."""
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    from jobs.nightly import Supervisor, parse_deadline, report_name, run_farm, write_report
+    from storage import open_storage
+
+    db = context().db
+    when = parse_deadline(deadline, now=datetime.now(ZoneInfo(str(app.conf.timezone or "UTC"))))
+    sup = Supervisor(db, when)
+    log.info("nightly run until %s", when.isoformat(timespec="minutes"))
+    run_farm(db, sup, interval)
+    report = sup.report()
+    paths = write_report(report, open_storage(out or os.environ.get("CLIPMILL_OUT", "clipmill-out")), report_name(report))
+    log.info("nightly report: %s", paths)
+    return {"report": paths, **{k: report[k] for k in ("passed", "rejected", "failed", "not_finished")}}

@@ -14,7 +14,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 def test_compose_file_parses_and_starts_real_commands():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"redis", "postgres", "post", "reconcile", "review", "flower"} <= set(services)
+    assert {"redis", "postgres", "post", "beat", "review", "flower"} <= set(services)
     renders = {k: v for k, v in services.items() if k.startswith("render-gpu")}
     assert renders
     gpus = []
@@ -36,6 +36,41 @@ def test_compose_file_parses_and_starts_real_commands():
             assert env["CLIPMILL_BROKER_URL"].startswith("redis://redis:6379")
     assert services["review"]["command"][services["review"]["command"].index("--host") + 1] == "0.0.0.0"
     assert "CLIPMILL_REVIEW_TOKEN=" in (DEPLOY / ".env.example").read_text()  # review refuses 0.0.0.0 without it
+    assert services["beat"]["command"][0] == "beat" and "deploy" not in services["beat"]  # one, on no GPU
+    assert services["flower"]["entrypoint"][:4] == ["celery", "-A", "jobs.celery_app", "flower"]
+    assert "FLOWER_BASIC_AUTH=" in (DEPLOY / ".env.example").read_text()  # Flower's port is published
+
+
+def test_beat_schedule_from_the_environment():
+    from celery.schedules import crontab
+
+    from jobs.celery_app import app, beat_schedule
+
+    default = beat_schedule({})
+    assert list(default) == ["reconcile"]
+    assert default["reconcile"]["task"] == "clipmill.reconcile" and default["reconcile"]["schedule"] == 60.0
+    assert default["reconcile"]["kwargs"] == {"stale_s": 600.0}
+    assert app.conf.beat_schedule["reconcile"]["task"] == "clipmill.reconcile"
+    assert beat_schedule({"CLIPMILL_RECONCILE_EVERY": "0"}) == {}
+    both = beat_schedule({"CLIPMILL_RECONCILE_EVERY": "30", "CLIPMILL_RECONCILE_STALE": "120",
+                          "CLIPMILL_NIGHTLY_AT": "21:00", "CLIPMILL_NIGHTLY_DEADLINE": "06:30"})
+    assert both["reconcile"]["schedule"] == 30.0 and both["reconcile"]["kwargs"] == {"stale_s": 120.0}
+    assert both["nightly"]["task"] == "clipmill.nightly" and both["nightly"]["kwargs"] == {"deadline": "06:30"}
+    assert both["nightly"]["schedule"] == crontab(hour=21, minute=0)
+    assert beat_schedule({"CLIPMILL_NIGHTLY_AT": "9:05"})["nightly"]["kwargs"] == {"deadline": "07:00"}
+    for bad, text in ((("CLIPMILL_NIGHTLY_AT", "21h"), "CLIPMILL_NIGHTLY_AT='21h': not a time of day"),
+                      (("CLIPMILL_NIGHTLY_DEADLINE", "7"), "CLIPMILL_NIGHTLY_DEADLINE='7': not a time of day"),
+                      (("CLIPMILL_RECONCILE_EVERY", "-1"), "CLIPMILL_RECONCILE_EVERY='-1': expected a number")):
+        env = {"CLIPMILL_NIGHTLY_AT": "21:00", bad[0]: bad[1]}
+        try:
+            beat_schedule(env)
+        except ValueError as e:
+            assert str(e).startswith(text), e
+        else:
+            raise AssertionError(f"{env} accepted")
+    # both run on the CPU post workers, never on a GPU worker
+    routes = app.conf.task_routes
+    assert routes["clipmill.reconcile"]["queue"] == routes["clipmill.nightly"]["queue"] == "post"
 
 
 def test_systemd_units_start_real_commands():
@@ -45,3 +80,4 @@ def test_systemd_units_start_real_commands():
         args = line.split("clipmill ", 1)[1].split()
         assert args[0] in main.commands, unit.name
     assert "--gpu %i" in (DEPLOY / "systemd" / "clipmill-render@.service").read_text()
+    assert "clipmill beat --schedule" in (DEPLOY / "systemd" / "clipmill-beat.service").read_text()

@@ -359,3 +359,97 @@ def test_poison_job_always_out_of_memory_fails_after_n_attempts(farm, broker, tm
     cli("submit", "after.csv", "--batch", "after", "--out", out, "--size", "64", "--frames", "8", "--max-attempts", "1")
     wait_for(db, "the next job rendered", lambda s: count(s, Job.batch_id == "after", Job.state == "post"))
     assert worker.poll() is None
+
+
+def test_beat_reconciles_and_its_nightly_task_drains_the_queue_and_reports(farm, broker, tmp_path):
+    """`clipmill beat` sends clipmill.reconcile every CLIPMILL_RECONCILE_EVERY seconds: jobs
+    committed while the broker was down go out with nothing else running. Then the nightly
+    task, as beat sends it at CLIPMILL_NIGHTLY_AT, runs on a post worker, sends a batch nobody
+    sent, waits for it to finish and writes the morning report."""
+    import json
+
+    from celery import Celery
+
+    from jobs.celery_app import app
+
+    env, start, cli, db = farm
+    out = tmp_path / "out"
+    down = {"CLIPMILL_BROKER_URL": "redis://127.0.0.1:1/0"}
+    write_batch(tmp_path, 2)
+    cli("submit", "b.csv", "--batch", "b", "--out", str(out), "--size", "64", "--frames", "8", "--max-attempts", "1",
+        extra_env=down)
+    start("--queues", "render")
+    start("--queues", "post", "--concurrency", "2", extra_env={"CLIPMILL_OUT": str(out)})
+    log = open(tmp_path / "beat.log", "w")
+    beat = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", "beat", "--schedule", str(tmp_path / "beat-schedule")],
+        env=dict(env, CLIPMILL_RECONCILE_EVERY="2", CLIPMILL_NIGHTLY_AT="21:30", CLIPMILL_NIGHTLY_DEADLINE="06:45"),
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_all_final(db, 2)
+    finally:
+        stop(beat)
+    assert_exactly_once(db, out)
+    beat_log = (tmp_path / "beat.log").read_text()
+    assert "beat: reconcile: clipmill.reconcile 2.0 {'stale_s': 600.0}" in beat_log
+    assert "beat: nightly: clipmill.nightly <crontab: 30 21 * * *" in beat_log and "'deadline': '06:45'" in beat_log
+    assert "Scheduler: Sending due task reconcile (clipmill.reconcile)" in beat_log
+    assert "Task clipmill.reconcile[" in (tmp_path / "worker-1.log").read_text()
+
+    write_batch(tmp_path, 2, "n")
+    cli("submit", "n.csv", "--batch", "n", "--out", str(out), "--size", "64", "--frames", "8", "--max-attempts", "1",
+        extra_env=down)
+    client = Celery("beat-like", broker=broker)
+    client.conf.update(broker_transport_options=app.conf.broker_transport_options, task_serializer="json")
+    client.send_task("clipmill.nightly", kwargs={"deadline": "+300", "interval": 1}, queue="post")
+    client.close()
+    deadline = time.time() + 180
+    while time.time() < deadline and not list((out / "reports").glob("nightly-*.json")):
+        time.sleep(0.5)
+    reports = list((out / "reports").glob("nightly-*.json"))
+    assert reports, (tmp_path / "worker-1.log").read_text()[-3000:]
+    report = json.loads(reports[0].read_text())
+    assert (report["clips_produced"], report["rejected"], report["not_finished"]) == (2, 2, 0), report  # tiny: QC rejects
+    assert reports[0].with_suffix(".md").exists()
+    wait_all_final(db, 4, timeout=5)
+    assert_exactly_once(db, out)
+
+
+def test_flower_lists_the_farm_workers(farm, tmp_path):
+    """Flower, started as deploy/docker-compose.yml starts it (basic auth from FLOWER_BASIC_AUTH),
+    lists a running worker and its tasks through its HTTP API."""
+    import base64
+    import json
+    import urllib.error
+    import urllib.request
+
+    from services import free_port, wait_port
+
+    env, start, cli, db = farm
+    worker = start("--queues", "post", "--concurrency", "1")
+    wait_log(tmp_path / "worker-0.log", " ready.")
+    port = free_port()
+    log = open(tmp_path / "flower.log", "w")
+    flower = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "jobs.celery_app", "flower", f"--port={port}", "--address=127.0.0.1"],
+        env=dict(env, FLOWER_BASIC_AUTH="ops:a-long-flower-secret"), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_port(port, flower)
+        url = f"http://127.0.0.1:{port}/api/workers?refresh=1"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url, timeout=10)
+        assert e.value.code == 401  # the API needs the password
+        auth = {"Authorization": "Basic " + base64.b64encode(b"ops:a-long-flower-secret").decode()}
+        name = f"post-{worker.pid}@{__import__('socket').gethostname()}"
+        workers: dict = {}
+        deadline = time.time() + 60
+        while time.time() < deadline and name not in workers:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=auth), timeout=30) as r:
+                workers = json.loads(r.read())
+            time.sleep(0.5)
+        assert name in workers, (name, list(workers), (tmp_path / "flower.log").read_text()[-2000:])
+        assert {"clipmill.render", "clipmill.post", "clipmill.reconcile", "clipmill.nightly"} <= set(
+            workers[name]["registered"])
+        assert [q["name"] for q in workers[name]["active_queues"]] == ["post"]
+    finally:
+        stop(flower)
