@@ -268,11 +268,8 @@ class Renderer:
         model = self.compiled if self.compiled is not None and (req.width, req.height) in RESOLUTION_TIERS else self.denoiser
         kv = self.text_kv
         if self.info.family == "wan":
+            # the K/V cache keys Wan's contexts by the projected text tensor: cond and uncond apart
             contexts = {"cond": cond, "uncond": neg}
-            if kv is not None:
-                for label, e in contexts.items():
-                    if e is not None:
-                        kv.bind(e, [(label, e, 1)])
 
             def call(x, t, label):
                 with self.denoiser.cache_context(label):

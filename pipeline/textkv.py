@@ -64,6 +64,7 @@ class TextKVCache:
         self._kv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._originals: dict[torch.nn.Module, object] = {}
         self._text_embedder = None
+        self._hook: _TextProjectionHook | None = None
         cross = [m for m in model.modules() if _is_cross_attention(m)]
         if not cross:
             raise ValueError(f"TextKVCache: {type(model).__name__} has no cross-attention layers to cache")
@@ -77,7 +78,8 @@ class TextKVCache:
         if embedder is not None:
             from diffusers.hooks import HookRegistry
 
-            HookRegistry.check_if_exists_or_initialize(embedder).register_hook(_TextProjectionHook(self), HOOK_NAME)
+            self._hook = _TextProjectionHook(self)
+            HookRegistry.check_if_exists_or_initialize(embedder).register_hook(self._hook, HOOK_NAME)
             self._text_embedder = embedder
 
     # -- per generation -------------------------------------------------------------------------
@@ -95,6 +97,8 @@ class TextKVCache:
         """Forget every context and K/V entry (call when a generation ends)."""
         self._contexts.clear()
         self._kv.clear()
+        if self._hook is not None:
+            self._hook._seen.clear()
 
     def remove(self) -> None:
         """Restore the model's own processors and remove the hook."""
@@ -151,8 +155,6 @@ class _TextProjectionHook(ModelHook):
         return module
 
     def new_forward(self, module, x, *args, **kwargs):
-        if not self.cache._contexts and self._seen:  # the cache was reset: a new generation
-            self._seen.clear()
         hit = self._seen.get(id(x))
         if hit is not None and hit[0] is x:
             return hit[1]
