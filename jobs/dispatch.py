@@ -28,27 +28,37 @@ def broker_priority(priority: int) -> int:
     return max(0, min(9, 9 - int(priority or 0)))
 
 
-def send_render(db: Database, job_ids: list[int]) -> int:
-    """Send one render message per job; mark them sent. Raises BrokerDown if Redis is unreachable."""
-    from kombu.exceptions import OperationalError
+SEND_CHUNK = 1000  # messages per Redis round trip
 
+
+def send_render(db: Database, job_ids: list[int]) -> int:
+    """Send one render message per job, with its priority; mark them sent. Messages go out in
+    pipelined chunks (one Redis round trip per thousand) and each chunk is marked once Redis
+    has it. Raises BrokerDown if Redis is unreachable; chunks sent before stay marked."""
+    from kombu.exceptions import KombuError
+    from redis.exceptions import RedisError
+
+    from jobs.celery_app import app
     from jobs.tasks import render
 
-    sent = []
-    with db.session() as s:
-        prio = dict(s.execute(select(Job.id, Job.priority).where(Job.id.in_(job_ids))).all())
+    sent = 0
     try:
-        for jid in job_ids:
-            render.apply_async((jid,), priority=broker_priority(prio.get(jid, 0)), queue="render", retry=False)
-            sent.append(jid)
-    except OperationalError as e:
-        raise BrokerDown(str(e)) from e
-    finally:
-        if sent:
-            with db.session() as s, s.begin():
-                s.execute(update(Job).where(Job.id.in_(sent)).values(enqueued_at=now())
-                          .execution_options(synchronize_session=False))
-    return len(sent)
+        with app.producer_or_acquire() as producer:
+            for i in range(0, len(job_ids), SEND_CHUNK):
+                chunk = job_ids[i:i + SEND_CHUNK]
+                with db.session() as s:
+                    prio = dict(s.execute(select(Job.id, Job.priority).where(Job.id.in_(chunk))).all())
+                with producer.batch(max_size=SEND_CHUNK):  # flushed to Redis when the block ends
+                    for jid in chunk:
+                        render.apply_async((jid,), priority=broker_priority(prio.get(jid, 0)), queue="render",
+                                           retry=False, producer=producer)
+                with db.session() as s, s.begin():
+                    s.execute(update(Job).where(Job.id.in_(chunk)).values(enqueued_at=now())
+                              .execution_options(synchronize_session=False))
+                sent += len(chunk)
+    except (KombuError, RedisError, OSError) as e:
+        raise BrokerDown(str(e) or e.__class__.__name__) from e
+    return sent
 
 
 def reconcile(db: Database, stale_s: float = 600) -> dict:

@@ -37,7 +37,6 @@ class Job(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         UniqueConstraint("batch_id", "client_id", name="uq_jobs_batch_client"),
-        Index("ix_jobs_state_priority", "state", "priority", "id"),
         Index("ix_jobs_batch_state", "batch_id", "state"),
     )
 
@@ -71,11 +70,20 @@ class Job(Base):
     attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number")
 
 
+# the claim order: queued jobs by priority, highest first, then oldest first (the DESC lets
+# PostgreSQL walk the index and stop at the first unlocked row instead of sorting every queued job)
+Index("ix_jobs_state_priority_desc", Job.state, Job.priority.desc(), Job.id)
+
+
 class Attempt(Base):
     """One render try of a job, and what became of it."""
 
     __tablename__ = "attempts"
-    __table_args__ = (UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),)
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        Index("ix_attempts_state", "state"),  # open attempts (rendering, rendered) among many final ones
+        Index("ix_attempts_started_at", "started_at"),  # the nightly run's groups since it started
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
