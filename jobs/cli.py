@@ -750,7 +750,7 @@ def _interp_bench(as_json: bool) -> None:
               help="Guidance of rows 1-7 (1.0: off, as distilled models run; row 0 always uses CFG 7.5).")
 @click.option("--clips", type=click.IntRange(4, 16), default=4, show_default=True, help="Clips per row (row 0 renders one).")
 @click.option("--repeat", type=click.IntRange(1, 10), default=3, show_default=True,
-              help="Rounds over all rows, interleaved; each row reports its median.")
+              help="Rounds over all rows, interleaved; each row reports its fastest round (and all of them).")
 @click.option("--compile", "compile_how", type=click.Choice(["torch", "tensorrt"]), default="torch", show_default=True,
               help="What row 7 compiles with (GPU only; elsewhere row 7 says why and runs uncompiled).")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")
