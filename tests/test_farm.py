@@ -420,6 +420,7 @@ def test_flower_lists_the_farm_workers(farm, tmp_path):
     lists a running worker and its tasks through its HTTP API."""
     import base64
     import json
+    import socket
     import urllib.error
     import urllib.request
 
@@ -440,7 +441,7 @@ def test_flower_lists_the_farm_workers(farm, tmp_path):
             urllib.request.urlopen(url, timeout=10)
         assert e.value.code == 401  # the API needs the password
         auth = {"Authorization": "Basic " + base64.b64encode(b"ops:a-long-flower-secret").decode()}
-        name = f"post-{worker.pid}@{__import__('socket').gethostname()}"
+        name = f"post-{worker.pid}@{socket.gethostname()}"
         workers: dict = {}
         deadline = time.time() + 60
         while time.time() < deadline and name not in workers:
