@@ -128,7 +128,7 @@ def ladder(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float,
     wan = info.family == "wan"
     plain = RenderOptions(text_kv=False, prompt_cache=0, feature_cache=False)
     kv = replace(plain, text_kv=True, prompt_cache=256)
-    fc = replace(kv, feature_cache=True, deepcache=DeepCacheConfig(interval=2, branch=1))
+    fc = replace(kv, feature_cache=True, deepcache=DeepCacheConfig())  # interval 2, finest branch
     base_guidance = 5.0 if wan else 7.5
     s8 = GroupSettings(tier="quality", sampler=sampler, guidance=guidance, guidance_mode="cfg")
     s6 = replace(s8, tier="fast")

@@ -26,16 +26,18 @@ HOOK_NAME = "clipmill_deepcache"
 @dataclass(frozen=True)
 class DeepCacheConfig:
     """``interval``: a full step every ``interval`` steps (1 turns caching off; steps 0, interval,
-    2*interval, ... run full). ``branch``: how many outer UNet levels run on cached steps."""
+    2*interval, ... run full). ``branch``: how many outer UNet levels run on cached steps; 0 is
+    DeepCache's finest branch: only ``conv_in``, the last layer of the last up block and
+    ``conv_out`` run, on the cached input of that layer."""
 
     interval: int = 2
-    branch: int = 1
+    branch: int = 0
 
     def __post_init__(self):
         if self.interval < 1:
             raise ValueError(f"DeepCacheConfig.interval={self.interval}; it must be at least 1")
-        if self.branch < 1:
-            raise ValueError(f"DeepCacheConfig.branch={self.branch}; it must be at least 1")
+        if self.branch < 0:
+            raise ValueError(f"DeepCacheConfig.branch={self.branch}; it must be at least 0")
 
 
 @dataclass
@@ -112,17 +114,25 @@ class DeepCache:
 
     def __init__(self, unet: torch.nn.Module, config: DeepCacheConfig = DeepCacheConfig()):
         n_down = len(unet.down_blocks)
-        if not 1 <= config.branch < n_down:
+        if not 0 <= config.branch < n_down:
             raise ValueError(
                 f"DeepCacheConfig.branch={config.branch}: this UNet has {n_down} levels; "
-                f"branch must be from 1 to {n_down - 1} so that some deep blocks can be cached"
+                f"branch must be from 0 to {n_down - 1} so that some deep blocks can be cached"
             )
         self.unet, self.config = unet, config
         self.state = _State()
+        keep = max(config.branch, 1)
         deep = [(f"down_blocks.{i}", unet.down_blocks[i]) for i in range(config.branch, n_down)]
         if unet.mid_block is not None:
             deep.append(("mid_block", unet.mid_block))
-        deep += [(f"up_blocks.{i}", unet.up_blocks[i]) for i in range(len(unet.up_blocks) - config.branch)]
+        deep += [(f"up_blocks.{i}", unet.up_blocks[i]) for i in range(len(unet.up_blocks) - keep)]
+        if config.branch == 0:  # inside the last up block, every layer but the last
+            last, n = unet.up_blocks[-1], len(unet.up_blocks) - 1
+            for j in range(len(last.resnets) - 1):
+                for kind in ("resnets", "attentions", "motion_modules"):
+                    mods = getattr(last, kind, None)
+                    if mods is not None and j < len(mods):
+                        deep.append((f"up_blocks.{n}.{kind}.{j}", mods[j]))
         self._modules = [m for _, m in deep]
         for name, m in deep:
             HookRegistry.check_if_exists_or_initialize(m).register_hook(_BlockHook(self.state, name), HOOK_NAME)

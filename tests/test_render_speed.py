@@ -174,6 +174,10 @@ def test_deepcache_skips_deep_blocks_on_alternate_steps_and_is_removable(ad):
     assert not np.array_equal(cached, base)  # approximate ...
     mse = ((cached - base) ** 2).mean()
     assert 10 * np.log10(255**2 / mse) > 30  # ... within the bound
+    # the default, DeepCache's finest branch: only the last layer of the last up block runs
+    ad.configure(replace(PLAIN, feature_cache=True))
+    st = ad.render(reqs(1), s)[0].stats
+    assert st["blocks_skipped"] == 4 * 7  # + down_blocks.0 and up_blocks.1's first resnet, attention, motion module
     ad.configure(PLAIN)  # removes the hooks: exact again
     assert np.array_equal(frames_of(ad.render(reqs(1), s)), base)
     with pytest.raises(ValueError, match="branch=2: this UNet has 2 levels"):
