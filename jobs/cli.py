@@ -744,10 +744,10 @@ def _interp_bench(as_json: bool) -> None:
 @click.option("--arch", type=click.Choice(["sd15"]), default=None,
               help="Instead of --model: build this full-size architecture with random weights (GPU figures "
                    "without a download; about 38 s per UNet call on a 2-core CPU).")
-@click.option("--size", default=None, help="WIDTHxHEIGHT or N [default: 128 for tiny models, 512 for --arch].")
+@click.option("--size", default=None, help="WIDTHxHEIGHT or N [default: 128 for tiny models, else the model's default size, 512 for --arch sd15].")
 @click.option("--frames", type=int, default=None, help="Frames per clip [default: the model's].")
 @click.option("--guidance", type=float, default=1.0, show_default=True,
-              help="Guidance of rows 1-7 (1.0: off, as distilled models run; row 0 always uses CFG 7.5).")
+              help="Guidance of rows 1-7 (1.0: off, as distilled models run; row 0 always uses CFG, 7.5, or 5.0 on Wan).")
 @click.option("--clips", type=click.IntRange(4, 16), default=4, show_default=True, help="Clips per row (row 0 renders one).")
 @click.option("--repeat", type=click.IntRange(1, 10), default=3, show_default=True,
               help="Rounds over all rows, interleaved; each row reports its fastest round (and all of them).")
