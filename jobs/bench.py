@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pipeline.deepcache import DeepCacheConfig
+from pipeline.guidance import RCFG_MAX_GUIDANCE
 from pipeline.interpolate import interpolate
 from pipeline.models import ModelInfo
 from pipeline.render import ClipRequest, ClipResult, GroupSettings, Renderer, RenderOptions
@@ -45,7 +46,9 @@ PROMPTS = (
     "fresh sushi rolls on a slate plate in a restaurant, pan left",
 )
 NEGATIVE = "blurry, low quality, watermark, text"
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+# dense fp16/bf16 tensor-core peaks; matched in this order against the device name
+PEAK_TFLOPS = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0), ("L40S", 362.0),
+               ("L40", 181.0), ("L4", 121.0), ("A10", 125.0))
 
 
 @dataclass
@@ -87,7 +90,7 @@ class PeakMemory:
     def __exit__(self, *exc):
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
-            self.mib = torch.cuda.max_memory_allocated() / 2**20
+            self.mib = (torch.cuda.max_memory_allocated() - self.base) / 2**20  # above the weights and caches
             return
         self.stop.set()
         self.thread.join()
@@ -132,7 +135,7 @@ def ladder(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float,
     base_guidance = 5.0 if wan else 7.5
     s8 = GroupSettings(tier="quality", sampler=sampler, guidance=guidance, guidance_mode="cfg")
     s6 = replace(s8, tier="fast")
-    rcfg_on = guidance > 1.0 and not wan
+    rcfg_on = 1.0 < guidance < RCFG_MAX_GUIDANCE and not wan
     s6r = replace(s6, guidance_mode="rcfg-self") if rcfg_on else s6
     rows = [
         Row("0", f"baseline: {'flow Euler' if wan else 'DDIM'} 50 steps, CFG {base_guidance}, no cache, batch 1",
@@ -144,7 +147,8 @@ def ladder(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float,
         Row("4", "+ feature cache", s6, fc, twin="3"),
         Row("5", "+ R-CFG (self-negative)", s6r, fc, twin="4",
             note="" if rcfg_on else ("guidance is off (1.0): no negative pass to replace; same work as row 4"
-                                     if guidance <= 1.0 else "R-CFG is for epsilon models; Wan runs CFG")),
+                                     if guidance <= 1.0 else "R-CFG is for epsilon models; Wan runs CFG" if wan
+                                     else f"R-CFG diverges at guidance {RCFG_MAX_GUIDANCE:g} and above; CFG as row 4")),
         Row("6", "+ batch 4", s6r, fc, batch=4, twin="5"),
         Row("7", f"+ compile ({compile_how})", s6r, replace(fc, compile=compile_how), batch=4, twin="6"),
     ]
@@ -170,10 +174,11 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
             if row.options.compile != "none" and renderer.compiled is None:
                 row.note = renderer.compile_message
             todo = reqs[: row.clips]
-            if rep == 0:
-                renderer.render(todo[:1], row.settings)  # warm-up: allocations, lazy imports, compilation
-                if row.options.prompt_cache:  # a fresh LRU: the row pays for its own text encoding
-                    renderer.prompts.clear()
+            if rep == 0 or row.options.compile != "none":
+                # warm-up at the row's batch size: allocations, lazy imports, compiled graphs
+                renderer.render(todo[: row.batch], row.settings)
+            if row.options.prompt_cache:  # a fresh LRU: the row pays for its own text encoding
+                renderer.prompts.clear()
             results: list[ClipResult] = []
             with PeakMemory(device) as mem:
                 t0 = time.perf_counter()
@@ -190,6 +195,7 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
         post = [post_seconds(r.frames, r.fps) for r in results]
         n = len(results)
         stats = results[-1].stats
+        group = results[-1].timings["group_size"]
         render_s = min(walls[row.row])
         row.out = {
             "row": row.row,
@@ -208,12 +214,29 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
             "post_s": round(sum(post) / n, 4),
             "peak_memory_mib": round(mems[row.row], 1),
             "denoiser_evaluations_per_clip": stats["denoiser_rows"],
-            "work": {k: v for k, v in stats.items() if k not in ("denoiser_rows", "steps", "guidance_mode")},
+            # per clip; the prompt LRU's counts are the row's (cleared before it)
+            "work": {k: (v if k.startswith("prompt_cache") else round(v / group, 2))
+                     for k, v in stats.items() if k not in ("denoiser_rows", "steps", "guidance_mode")},
             "note": row.note,
         }
 
 
-def finish(rows: list[Row], flops_per_row_eval: float | None, device: str) -> None:
+def count_flops(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest]) -> dict[str, float]:
+    """FLOPs of one clip's render per row, counted by torch while it runs (caches included, so
+    skipped work is not counted). GPU only: the count costs one more render per row."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = {}
+    for row in rows:
+        renderer.configure(replace(row.options, compile="none"))
+        todo = reqs[: row.batch]
+        with FlopCounterMode(display=False) as counter:
+            renderer.render(todo, row.settings)
+        out[row.row] = counter.get_total_flops() / len(todo)
+    return out
+
+
+def finish(rows: list[Row], flops: dict[str, float] | None, device: str) -> None:
     """Speed-ups over row 0, PSNR against the twin, the end-to-end shares, MFU on a GPU."""
     by = {r.row: r for r in rows}
     base = rows[0].out
@@ -232,39 +255,24 @@ def finish(rows: list[Row], flops_per_row_eval: float | None, device: str) -> No
             o["max_abs_diff_vs_twin"] = int(max(np.abs(a.frames.astype(int) - b.frames.astype(int)).max()
                                                 for a, b in zip(r.results, twin.results)))
         o["mfu"] = None
-        if flops_per_row_eval and device.startswith("cuda"):
+        if flops and device.startswith("cuda"):
             peak = _peak_flops()
-            if peak:
-                flops = flops_per_row_eval * o["denoiser_evaluations_per_clip"]
-                o["mfu"] = round(flops / o["denoise_s"] / peak, 4)
+            o["gflops_per_clip"] = round(flops[r.row] / 1e9, 1)
+            if peak:  # the FLOPs the render really did, over its fastest time, against the device's peak
+                o["mfu"] = round(flops[r.row] / o["render_s_per_clip"] / peak, 4)
 
 
 def _peak_flops() -> float | None:
     name = torch.cuda.get_device_name()
-    for k, v in PEAK_TFLOPS.items():
+    for k, v in PEAK_TFLOPS:
         if k in name:
             return v * 1e12
     return None
 
 
-def denoiser_flops(renderer: Renderer, req: ClipRequest) -> float:
-    """FLOPs of one denoiser evaluation for one clip (batch row), counted by torch."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    renderer.configure(RenderOptions(text_kv=False, prompt_cache=0))
-    cond = renderer.encode([req.prompt])
-    x = torch.zeros(renderer.latent_shape(req), device=renderer.device, dtype=renderer.dtype)
-    t = torch.tensor(500, device=renderer.device)
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        if renderer.info.family == "wan":
-            renderer.denoiser(hidden_states=x, timestep=t.expand(1), encoder_hidden_states=cond, return_dict=False)
-        else:
-            renderer.denoiser(x, t, encoder_hidden_states=cond.repeat_interleave(req.frames, 0))
-    return float(counter.get_total_flops())
-
-
 def guidance_section(renderer: Renderer, info: ModelInfo, reqs, scale: float) -> list[dict]:
-    """CFG, R-CFG self, R-CFG onetime and guidance off at the same seed and ``scale``, 6 steps."""
+    """CFG, R-CFG self, R-CFG onetime and guidance off at the same seed and ``scale``, 6 steps
+    (R-CFG needs a scale below 2)."""
     if info.family == "wan":
         modes = [("cfg", scale), ("cfg", 1.0)]
     else:
@@ -310,15 +318,15 @@ def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float =
     t_start = time.perf_counter()
     renderer = Renderer(info, device=device)
     reqs = requests(info, size, frames, clips)
-    flops = denoiser_flops(renderer, reqs[0]) if device.startswith("cuda") else None
     rows = ladder(info, size, frames, guidance, compile_how)
     for r in rows:
         r.clips = min(r.clips, clips)
     run_rows(renderer, rows, reqs, device, repeat, progress)
+    flops = count_flops(renderer, rows, reqs) if device.startswith("cuda") else None
     finish(rows, flops, device)
     if progress:
         progress("guidance modes")
-    g = guidance_section(renderer, info, reqs[:2], 3.5 if guidance <= 1.0 else guidance)
+    g = guidance_section(renderer, info, reqs[:2], guidance if 1.0 < guidance < RCFG_MAX_GUIDANCE else 1.5)
     if progress:
         progress("decoders")
     d = decoder_section(renderer, info, reqs[:2])
@@ -337,7 +345,6 @@ def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float =
         "best_row": best.row,
         "best_speedup_render": best.out["speedup_render"],
         "best_speedup_end_to_end": max(r.out["speedup_end_to_end"] for r in rows),
-        "denoiser_gflops_per_evaluation": round(flops / 1e9, 1) if flops else None,
         "guidance_modes": g,
         "decoders": d,
         "seconds": round(time.perf_counter() - t_start, 1),

@@ -237,7 +237,13 @@ def run(file, resume, group_size, device, opts: SubmitOptions, qc_cfg, feature_c
     if resume is not None and info["model"] in TINY_MODELS:
         err.print(f"[yellow]warning:[/] {TINY_WARNING.format(name=info['model'])}", soft_wrap=True)
     device = device or _default_device()
+    from pipeline.guidance import effective_mode
     from pipeline.render import RenderOptions
+
+    try:
+        effective_mode(guidance_mode, info["guidance"])
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--guidance-mode")
 
     ctx = WorkerContext(db, device=device, qc_config=qc_cfg, guidance_mode=guidance_mode,
                         render_options=RenderOptions(feature_cache=feature_cache, decoder=decoder, compile=compile_how))

@@ -65,6 +65,7 @@ class _StepHook(ModelHook):
         super().__init__()
         self.config, self.state, self.n_blocks = config, state, n_blocks
 
+    @torch.compiler.disable  # a decision on Python state: outside compiled graphs, no recompiles
     def pre_forward(self, module, *args, **kwargs):
         st = self.state
         sample = args[0] if args else kwargs["sample"]
@@ -95,13 +96,23 @@ class _BlockHook(ModelHook):
         self.state, self.name = state, name
 
     def new_forward(self, module, *args, **kwargs):
+        cached = self._cached()
+        if cached is not None:
+            return cached
+        return self._keep(self.fn_ref.original_forward(*args, **kwargs))
+
+    @torch.compiler.disable
+    def _cached(self):
         st = self.state
-        if st.skipping:
-            st.blocks_skipped += 1
-            return st.outputs[self.name]
-        out = self.fn_ref.original_forward(*args, **kwargs)
-        st.outputs[self.name] = out
-        st.blocks_run += 1
+        if not st.skipping:
+            return None
+        st.blocks_skipped += 1
+        return st.outputs[self.name]
+
+    @torch.compiler.disable
+    def _keep(self, out):
+        self.state.outputs[self.name] = out
+        self.state.blocks_run += 1
         return out
 
     def reset_state(self, module):

@@ -21,6 +21,10 @@ import torch
 
 GUIDANCE_MODES = ("cfg", "rcfg-self", "rcfg-onetime")  # what a user asks for when guidance > 1
 OVEREXPOSE_LIMIT = 6.0
+# R-CFG's negative is the previous guided estimate, so each step extrapolates the clean estimate
+# by the scale: x0_k = x0_{k-1} + g * (x0cond_k - x0_{k-1}). Errors grow by |1 - g| per step,
+# which converges only for 1 < g < 2.
+RCFG_MAX_GUIDANCE = 2.0
 
 # predict(x_in, t, which) -> eps for which="cond", or (eps_negative, eps_cond) for which="both"
 Predict = Callable[[torch.Tensor, torch.Tensor, str], object]
@@ -30,6 +34,11 @@ def effective_mode(mode: str, scale: float) -> str:
     """The mode that runs: ``none`` whenever the scale is 1.0 or less, else ``mode``."""
     if mode not in GUIDANCE_MODES:
         raise ValueError(f"guidance mode {mode!r} is not known; allowed: {', '.join(GUIDANCE_MODES)}")
+    if mode.startswith("rcfg") and scale >= RCFG_MAX_GUIDANCE:
+        raise ValueError(
+            f"guidance {scale:g} with {mode}: R-CFG diverges at guidance {RCFG_MAX_GUIDANCE:g} and above (each step "
+            f"extrapolates by the scale); use a guidance below {RCFG_MAX_GUIDANCE:g}, or --guidance-mode cfg"
+        )
     return "none" if scale <= 1.0 else mode
 
 

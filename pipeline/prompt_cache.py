@@ -35,7 +35,7 @@ class PromptEmbeddingCache:
         if missing:
             rows = encode(missing)
             for p, row in zip(missing, rows):
-                self._rows[p] = row.unsqueeze(0)
+                self._rows[p] = row.unsqueeze(0).clone()  # its own storage, so eviction frees it
                 self._rows.move_to_end(p)
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
@@ -48,4 +48,6 @@ class PromptEmbeddingCache:
         return torch.cat(out)
 
     def clear(self) -> None:
+        """Drop every row and zero the hit and miss counts."""
         self._rows.clear()
+        self.hits = self.misses = 0

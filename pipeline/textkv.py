@@ -61,7 +61,7 @@ class TextKVCache:
         self.model = model
         self.stats = TextKVStats()
         self._contexts: dict[int, _Context] = {}
-        self._kv: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kv: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # k, v, source
         self._originals: dict[torch.nn.Module, object] = {}
         self._text_embedder = None
         self._hook: _TextProjectionHook | None = None
@@ -71,7 +71,7 @@ class TextKVCache:
         for i, m in enumerate(cross):
             self._originals[m] = m.processor
             if type(m).__name__ == "WanAttention":
-                m.set_processor(_WanCachedProcessor(self, i))
+                m.set_processor(_WanCachedProcessor(self, i, getattr(m.processor, "_attention_backend", None)))
             else:
                 m.set_processor(_UNetCachedProcessor(self, i))
         embedder = getattr(getattr(model, "condition_embedder", None), "text_embedder", None)
@@ -86,8 +86,12 @@ class TextKVCache:
     def bind(self, tensor: torch.Tensor, parts: list[tuple[str, torch.Tensor, int]]) -> None:
         """Declare that ``tensor`` (the ``encoder_hidden_states`` passed to the model) is the
         concatenation, along the batch, of ``parts``: ``(label, unique_rows, repeats)`` each, whose
-        rows are ``unique_rows.repeat_interleave(repeats, 0)``. Labels name separate entries
-        (``"uncond"``, ``"cond"``); parts with the same label share theirs."""
+        rows are ``unique_rows.repeat_interleave(repeats, 0)``. Labels name the entries
+        (``"uncond"``, ``"cond"``); an entry is shared only by parts with the same label and the
+        same ``unique_rows`` tensor (R-CFG's one-time negative pass and the later cond-only
+        passes share the cond entry). A context can be bound once per generation."""
+        if id(tensor) in self._contexts and self._contexts[id(tensor)].tensor is tensor:
+            raise ValueError("TextKVCache.bind: this context is already bound; reset() first")
         rows = sum(p.shape[0] * r for _, p, r in parts)
         if rows != tensor.shape[0]:
             raise ValueError(f"TextKVCache.bind: parts cover {rows} rows but the context has {tensor.shape[0]}")
@@ -115,6 +119,7 @@ class TextKVCache:
         return len(self._kv)
 
     # -- used by the processors -----------------------------------------------------------------
+    @torch.compiler.disable
     def context(self, tensor: torch.Tensor) -> _Context:
         ctx = self._contexts.get(id(tensor))
         if ctx is None or ctx.tensor is not tensor:
@@ -123,17 +128,19 @@ class TextKVCache:
             self._contexts[id(tensor)] = ctx
         return ctx
 
+    @torch.compiler.disable  # bookkeeping on Python state: outside compiled graphs, no recompiles
     def kv(self, layer: int, part: _Part, project) -> tuple[torch.Tensor, torch.Tensor]:
         key = (layer, part.label, id(part.unique))
         hit = self._kv.get(key)
-        if hit is None:
-            hit = project(part.unique)
+        if hit is None or hit[2] is not part.unique:  # the source is kept: an id is never reused while cached
+            k, v = project(part.unique)
+            hit = (k, v, part.unique)
             self._kv[key] = hit
             self.stats.projected += part.unique.shape[0]
             self.stats.avoided += part.unique.shape[0] * (part.repeats - 1)
         else:
             self.stats.avoided += part.unique.shape[0] * part.repeats
-        return hit
+        return hit[0], hit[1]
 
 
 def _is_cross_attention(m: torch.nn.Module) -> bool:
@@ -222,8 +229,8 @@ class _UNetCachedProcessor:
 class _WanCachedProcessor:
     """WanAttnProcessor for text-to-video cross-attention, with normed K and V from the cache."""
 
-    def __init__(self, cache: TextKVCache, layer: int):
-        self.cache, self.layer = cache, layer
+    def __init__(self, cache: TextKVCache, layer: int, backend=None):
+        self.cache, self.layer, self.backend = cache, layer, backend
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None):
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -242,6 +249,7 @@ class _WanCachedProcessor:
         if len(ctx.parts) != 1 or ctx.parts[0].repeats != 1:
             raise ValueError("TextKVCache: Wan contexts are cached whole; bind them with one part, repeats=1")
         key, value = self.cache.kv(self.layer, ctx.parts[0], project)
-        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+                                    backend=self.backend)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
