@@ -214,8 +214,8 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
             "post_s": round(sum(post) / n, 4),
             "peak_memory_mib": round(mems[row.row], 1),
             "denoiser_evaluations_per_clip": stats["denoiser_rows"],
-            # per clip; the prompt LRU's counts are the row's (cleared before it)
-            "work": {k: (v if k.startswith("prompt_cache") else round(v / group, 2))
+            # K/V rows and blocks per clip; steps per call; the prompt LRU's counts are the row's
+            "work": {k: (round(v / group, 2) if k.startswith(("kv_rows", "blocks")) else v)
                      for k, v in stats.items() if k not in ("denoiser_rows", "steps", "guidance_mode")},
             "note": row.note,
         }
