@@ -466,22 +466,28 @@ def nightly(deadline, out_root, interval, group_size, device):
         raise click.BadParameter(str(e), param_hint="--deadline")
     db = _db()
     sup = Supervisor(db, when)
-    err.print(f"nightly run until {when.isoformat(timespec='minutes')} ({sup.time_left() / 3600:.1f} h)")
-    if broker_url():
-        from jobs.nightly import run_farm
+    from jobs.nightly import NightlyRunning, single_run
 
-        run_farm(db, sup, interval)
-    else:
-        from jobs.embedded import run_batch
-        from jobs.stages import WorkerContext
+    try:
+        with single_run(db):
+            err.print(f"nightly run until {when.isoformat(timespec='minutes')} ({sup.time_left() / 3600:.1f} h)")
+            if broker_url():
+                from jobs.nightly import run_farm
 
-        ctx = WorkerContext(db, device=device or _default_device())
+                run_farm(db, sup, interval)
+            else:
+                from jobs.embedded import run_batch
+                from jobs.stages import WorkerContext
 
-        def before_group() -> bool:
-            sup.step(1)
-            return sup.time_left() > 0
+                ctx = WorkerContext(db, device=device or _default_device())
 
-        run_batch(ctx, None, group_size, before_group=before_group)
+                def before_group() -> bool:
+                    sup.step(1)
+                    return sup.time_left() > 0
+
+                run_batch(ctx, None, group_size, before_group=before_group)
+    except NightlyRunning as e:
+        raise click.ClickException(str(e))
     report = sup.report()
     paths = write_report(report, open_storage(out_root), report_name(report))
     out.print(f"passed {report['passed']}, rejected {report['rejected']}, failed {report['failed']}, "

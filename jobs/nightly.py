@@ -12,10 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 
 from jobs.db import Database
 from jobs.models import Attempt, Job
@@ -154,6 +155,35 @@ def write_report(r: dict, storage, name: str) -> list[str]:
         storage.put_bytes(f"reports/{name}.json", json.dumps(r, indent=2, ensure_ascii=False).encode()),
         storage.put_bytes(f"reports/{name}.md", report_markdown(r).encode()),
     ]
+
+
+NIGHTLY_LOCK = 4242002  # PostgreSQL advisory lock key: one nightly run per database
+
+
+class NightlyRunning(RuntimeError):
+    """Another nightly run holds the job table's nightly lock."""
+
+
+@contextmanager
+def single_run(db: Database):
+    """Hold the job table's nightly lock for the run: a second nightly (a second beat, or one
+    started by hand) stops at once instead of making tier decisions against the first. A
+    PostgreSQL session advisory lock on a connection of its own, released when the run ends or
+    its process dies. SQLite (embedded, one machine) has no lock to take."""
+    if db.engine.dialect.name != "postgresql":
+        yield
+        return
+    conn = db.engine.connect()
+    try:
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": NIGHTLY_LOCK}).scalar():
+            raise NightlyRunning("another nightly run is in progress on this database (it holds the nightly "
+                                 "lock); this one stops. Run one beat per farm.")
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": NIGHTLY_LOCK})
+    finally:
+        conn.close()
 
 
 def run_farm(db: Database, sup: Supervisor, interval: float = 30.0) -> None:

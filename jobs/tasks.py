@@ -134,14 +134,19 @@ def nightly(deadline: str = "07:00", out: str | None = None, interval: float = 3
     from datetime import datetime
     from zoneinfo import ZoneInfo
 
-    from jobs.nightly import Supervisor, parse_deadline, report_name, run_farm, write_report
+    from jobs.nightly import NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run, write_report
     from storage import open_storage
 
     db = context().db
     when = parse_deadline(deadline, now=datetime.now(ZoneInfo(str(app.conf.timezone or "UTC"))))
     sup = Supervisor(db, when)
-    log.info("nightly run until %s", when.isoformat(timespec="minutes"))
-    run_farm(db, sup, interval)
+    try:
+        with single_run(db):
+            log.info("nightly run until %s", when.isoformat(timespec="minutes"))
+            run_farm(db, sup, interval)
+    except NightlyRunning as e:
+        log.error("%s", e)
+        return {"report": [], "refused": str(e)}
     report = sup.report()
     paths = write_report(report, open_storage(out or os.environ.get("CLIPMILL_OUT", "clipmill-out")), report_name(report))
     log.info("nightly report: %s", paths)

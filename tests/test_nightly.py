@@ -88,3 +88,27 @@ def test_supervisor_moves_queued_quality_jobs_to_fast_and_back(db, tmp_path):
     report = sup.report()
     assert [c["tier"] for c in report["tier_changes"]] == ["fast", "quality"]
     assert report["attempts"] == 4 and report["not_finished"] == 24
+
+
+def test_a_second_nightly_run_on_the_same_postgresql_table_stops_at_once(pg_url, tmp_path):
+    """One nightly per job table: while one holds the lock, another (a second beat, or one by
+    hand) exits with the reason instead of making tier decisions against the first."""
+    from sqlalchemy import text
+
+    from jobs.nightly import NIGHTLY_LOCK
+
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url)
+    env.pop("CLIPMILL_BROKER_URL", None)
+    db = Database(pg_url)
+    with db.engine.connect() as holder:  # the first run's lock
+        assert holder.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": NIGHTLY_LOCK}).scalar()
+        proc = subprocess.run([sys.executable, "-m", "jobs.cli", "nightly", "--deadline", "+60", "--out",
+                               str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1
+        assert "another nightly run is in progress on this database" in proc.stderr
+        holder.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": NIGHTLY_LOCK})
+    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "nightly", "--deadline", "+60", "--out",
+                           str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr  # free again: an empty queue drains at once
+    assert "not finished 0" in proc.stdout
+    db.dispose()
