@@ -31,13 +31,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from jobs.stages import convert_and_check
 from pipeline.deepcache import DeepCacheConfig
 from pipeline.guidance import RCFG_MAX_GUIDANCE
-from pipeline.interpolate import interpolate
 from pipeline.models import ModelInfo
 from pipeline.render import ClipRequest, ClipResult, GroupSettings, Renderer, RenderOptions
-from pipeline.video import decode, encode_h264
-from qc import check_frames
+from qc import QCConfig
 
 PROMPTS = (
     "a bowl of beef noodle soup on a wooden table, steam rising, slow dolly in",
@@ -112,18 +111,15 @@ def psnr(a: list[ClipResult], b: list[ClipResult]) -> float | None:
 
 
 def post_seconds(frames: np.ndarray, fps_in: int, fps_out: int = 30) -> float:
-    """What the post stage spends on one clip: interpolation, H.264, decode, QC."""
-    t0 = time.perf_counter()
-    out = interpolate(frames, fps_in, fps_out)
+    """What the post stage spends on one clip: interpolation, H.264, decode, QC (the stage's own code)."""
     fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-bench-")
     os.close(fd)
     try:
-        encode_h264(out, fps_out, tmp)
-        decoded, fps = decode(tmp)
-        check_frames(decoded, fps)
+        t0 = time.perf_counter()
+        convert_and_check(frames, fps_in, fps_out, tmp, QCConfig())
+        return time.perf_counter() - t0
     finally:
         os.unlink(tmp)
-    return time.perf_counter() - t0
 
 
 def ladder(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float, compile_how: str) -> list[Row]:

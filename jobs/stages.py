@@ -214,6 +214,22 @@ def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict
     }
 
 
+def convert_and_check(raw: np.ndarray, fps_in: float, fps_out: float, path: str, qc_config: QCConfig):
+    """The post stage's work on one clip's frames: interpolate to ``fps_out``, encode H.264 at
+    ``path``, decode that file and QC it (QC looks at what viewers will see).
+
+    Returns (decoded frames, QC result, QC series, seconds per step).
+    """
+    t0 = time.perf_counter()
+    frames = interpolate(raw, fps_in, fps_out)
+    t1 = time.perf_counter()
+    encode_h264(frames, fps_out, path)
+    t2 = time.perf_counter()
+    decoded, fps = decode(path)
+    result, series = check_frames_with_series(decoded, fps, qc_config)
+    return decoded, result, series, {"retime_s": t1 - t0, "h264_s": t2 - t1, "qc_s": time.perf_counter() - t2}
+
+
 def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
     """Frame-rate conversion, H.264 encoding, QC and storage for one rendered attempt.
 
@@ -230,15 +246,12 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         t0 = time.perf_counter()
         raw = np.load(io.BytesIO(storage.get_bytes(a.raw_key)), allow_pickle=False)
         fps_in = float(a.timings.get("fps_in", 24))
-        frames = interpolate(raw, fps_in, job.fps)
-        t1 = time.perf_counter()
+        loaded = time.perf_counter()
         fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-")
         os.close(fd)
         try:
-            encode_h264(frames, job.fps, tmp)
-            t2 = time.perf_counter()
-            decoded, fps = decode(tmp)  # QC looks at what viewers will see
-            result, series = check_frames_with_series(decoded, fps, ctx.qc_config)
+            decoded, result, series, steps = convert_and_check(raw, fps_in, job.fps, tmp, ctx.qc_config)
+            steps["retime_s"] += loaded - t0  # reading the raw frames counts with the retime
             t3 = time.perf_counter()
             files = {
                 "clip": attempt_key(job, a, ".mp4"),
@@ -251,9 +264,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
             os.unlink(tmp)
         storage.put_bytes(files["poster"], poster_jpeg(decoded))
         storage.put_bytes(files["sheet"], contact_sheet(decoded, series, result))
-        timings = dict(
-            a.timings, retime_s=t1 - t0, h264_s=t2 - t1, qc_s=t3 - t2, store_s=time.perf_counter() - t3,
-        )
+        timings = dict(a.timings, **steps, store_s=time.perf_counter() - t3)
         timings["post_s"] = time.perf_counter() - t0
         timings = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in timings.items()}
         qc = result.to_dict()

@@ -342,9 +342,8 @@ class Renderer:
         vae = self.tiny_vae or self.pipe.vae
         b, c, f, h, w = latents.shape
         s = self.pipe.vae_scale_factor
-        tiled = self.options.tiling == "on" or (self.options.tiling == "auto" and h * w * s * s > TILING_ABOVE_PIXELS)
         if self.tiny_vae is None:
-            (vae.enable_tiling if tiled else vae.disable_tiling)()
+            self._set_tiling(vae, h * w * s * s)
         flat = (latents / vae.config.scaling_factor).permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
         # sliced: ``chunk`` frames per VAE call bounds memory for long clips
         parts = [vae.decode(flat[i : i + chunk]).sample for i in range(0, flat.shape[0], chunk)]
@@ -355,14 +354,19 @@ class Renderer:
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
         std = torch.tensor(vae.config.latents_std).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
-        if self.options.tiling == "on" or (
-            self.options.tiling == "auto" and latents.shape[-1] * latents.shape[-2] * 64 > TILING_ABOVE_PIXELS
-        ):
+        s = self.pipe.vae_scale_factor_spatial
+        self._set_tiling(vae, latents.shape[-1] * latents.shape[-2] * s * s)
+        video = vae.decode(latents * std + mean).sample  # (b, 3, f, H, W)
+        return _to_uint8(video.permute(0, 2, 1, 3, 4))
+
+
+    def _set_tiling(self, vae, frame_pixels: int) -> None:
+        """Tiled decode when the options say so: ``on``, or ``auto`` above TILING_ABOVE_PIXELS."""
+        o = self.options.tiling
+        if o == "on" or (o == "auto" and frame_pixels > TILING_ABOVE_PIXELS):
             vae.enable_tiling()
         else:
             vae.disable_tiling()
-        video = vae.decode(latents * std + mean).sample  # (b, 3, f, H, W)
-        return _to_uint8(video.permute(0, 2, 1, 3, 4))
 
 
 class _BlockCounter:
