@@ -35,9 +35,9 @@ class Claimed:
     steps: int
 
 
-def _for_update(stmt, session):
+def _for_update(stmt, session, skip_locked: bool = True):
     if session.bind.dialect.name == "postgresql":
-        return stmt.with_for_update(skip_locked=True, of=Job)
+        return stmt.with_for_update(skip_locked=skip_locked, of=Job)
     return stmt  # SQLite: BEGIN IMMEDIATE already serialises writers
 
 
@@ -70,7 +70,12 @@ def claim_group(
         if batch_id is not None:
             base = base.where(Job.batch_id == batch_id)
         head = base.where(Job.id == first_job_id) if first_job_id is not None else base
-        first = s.execute(_for_update(head.order_by(Job.priority.desc(), Job.id).limit(1), s)).first()
+        # The job a message names is waited for, not skipped, when its row is locked: the lock may
+        # be send_render marking it sent just after the message went out (skipping would drop the
+        # message and leave the job queued until reconcile). Another claimer's lock ends with its
+        # commit, and the row is then no longer queued. Group members are still skipped if locked.
+        first = s.execute(_for_update(head.order_by(Job.priority.desc(), Job.id).limit(1), s,
+                                      skip_locked=first_job_id is None)).first()
         if first is None:
             return []
         job, batch = first
