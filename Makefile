@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 # other package's "torch" requirement can pull a multi-GB CUDA build instead.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test clean
+.PHONY: install demo demo-model test test-fast clean
 
 install: $(VENV)/.installed
 
@@ -21,8 +21,20 @@ demo: install
 	$(VENV)/bin/clipmill run examples/ad-batch.csv --out clipmill-out \
 		--template "{dish} on a table in {store}, {camera}"
 
+# Train the built-in shapes model from SEED and export it into pipeline/weights/shapes/.
+# Checkpoints live in $CLIPMILL_TRAIN_DIR (default ~/.cache/clipmill/train): rerun to resume.
+# THREADS=1 while anything else runs on the machine (contending threads are 10x slower).
+SEED    ?= 0
+THREADS ?= 1
+demo-model: install
+	nice -n 10 $(VENV)/bin/clipmill train-model --seed $(SEED) --threads $(THREADS)
+
 test: install
 	$(VENV)/bin/pytest -q
+
+# no servers, browser or worker processes; under 2 minutes on 2 cores
+test-fast: install
+	$(VENV)/bin/pytest -q --fast
 
 clean:
 	rm -rf $(VENV) clipmill-out clipmill.db clipmill.db-* .pytest_cache

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from pipeline.models import cache_dir
+from clipmill.pipeline.models import cache_dir
 
 # Width x height tiers a farm compiles for; other sizes run uncompiled.
 RESOLUTION_TIERS = ((512, 512), (768, 432), (432, 768), (832, 480), (480, 832), (1024, 576), (576, 1024))

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-GUIDANCE_MODES = ("cfg", "rcfg-self", "rcfg-onetime")  # what a user asks for when guidance > 1
+from clipmill.pipeline.choices import GUIDANCE_MODES
 OVEREXPOSE_LIMIT = 6.0
 # R-CFG's negative is the previous guided estimate, so each step extrapolates the clean estimate
 # by the scale: x0_k = x0_{k-1} + g * (x0cond_k - x0_{k-1}). Errors grow by |1 - g| per step,

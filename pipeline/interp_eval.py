@@ -8,9 +8,9 @@ import time
 
 import numpy as np
 
-from pipeline.interpolate import InterpConfig, interpolate, psnr
-from pipeline.retime import retime_linear, source_times
-from pipeline.synthetic import camera_move, photo
+from clipmill.pipeline.interpolate import InterpConfig, interpolate, psnr
+from clipmill.pipeline.retime import retime_linear, source_times
+from clipmill.pipeline.synthetic import camera_move, photo
 
 HIGH_FPS = 120
 CASES = (  # (name, photo, motion, speed in px per 1/120 s, zoom over the clip)

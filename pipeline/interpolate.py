@@ -24,8 +24,8 @@ from typing import Callable
 import cv2
 import numpy as np
 
-from pipeline.flow import FlowEstimator, ssim_map, warp
-from pipeline.retime import source_times
+from clipmill.pipeline.flow import FlowEstimator, ssim_map, warp
+from clipmill.pipeline.retime import source_times
 
 EPS_T = 1e-3  # output times this close to an input frame take that frame as it is
 

@@ -12,6 +12,11 @@ The built-in ``tiny`` (AnimateDiff) and ``tiny-wan`` models have the same classe
 ones with small configs and random weights. Each is written once to a cache folder with
 ``save_pretrained`` and always loaded back with ``from_pretrained``, so it runs the same code
 path as a real model. Their clips are noise.
+
+The built-in ``shapes`` model is trained here on the shapes world (``pipeline.shapes``; issue 11)
+and distilled with LCM. Its folder ships inside the package (``pipeline/weights/shapes/``,
+written by ``pipeline.train.export.export_model``; ``make demo-model`` trains and exports it) and
+is loaded with ``from_pretrained`` like a user's folder.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ TINY_WARNING = (
 TINY_VERSION = "3"
 TINY_SEED = 0
 
+SHAPES = "shapes"
+SHAPES_VERSION = 1  # of the shapes world and recipe an exported folder was trained on
+SHAPES_DIR = Path(__file__).resolve().parent / "weights" / SHAPES  # package data
+SHAPES_MISSING = (
+    "the shapes model is not built yet: run make demo-model (it trains the model on the shapes world and "
+    "exports it into {path}); or pass --model tiny for a smoke run"
+)
+BUILTIN_MODELS = (*TINY_MODELS, SHAPES)
+
 
 class ModelError(ValueError):
     """A model folder or model name that cannot be used."""
@@ -48,7 +62,7 @@ def cache_dir() -> Path:
 class ModelInfo:
     """What a model can take, read from its folder's configs without loading weights."""
 
-    name: str  # 'tiny', 'tiny-wan' or the folder path as given
+    name: str  # 'tiny', 'tiny-wan', 'shapes' or the folder path as given
     path: Path
     family: str  # 'animatediff' or 'wan'
     scheduler: str  # 'lightning' (Euler, trailing), 'lcm' or 'flow' (flow-matching Euler)
@@ -297,14 +311,23 @@ def tiny_path(name: str = TINY) -> Path:
     return dest
 
 
+def shapes_path() -> Path:
+    """The built-in shapes model's folder inside the package, or a ModelError if not built."""
+    if not (SHAPES_DIR / "model_index.json").exists():
+        raise ModelError(f"--model {SHAPES!r}: " + SHAPES_MISSING.format(path=SHAPES_DIR))
+    return SHAPES_DIR
+
+
 def resolve(model: str) -> Path:
-    """The folder for a ``--model`` value: ``tiny``, ``tiny-wan`` or a local diffusers folder."""
+    """The folder for a ``--model`` value: ``tiny``, ``tiny-wan``, ``shapes`` or a local diffusers folder."""
     if model in TINY_MODELS:
         return tiny_path(model)
+    if model == SHAPES:
+        return shapes_path()
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelError(
-            f"--model {model!r}: no such folder; pass {' or '.join(map(repr, TINY_MODELS))} or a local diffusers model folder"
+            f"--model {model!r}: no such folder; pass {', '.join(map(repr, BUILTIN_MODELS))} or a local diffusers model folder"
         )
     if not (path / "model_index.json").exists():
         raise ModelError(
@@ -358,7 +381,7 @@ def _animatediff_info(model: str, path: Path) -> ModelInfo:
         path=path,
         family="animatediff",
         scheduler="lcm" if sched_cfg.get("_class_name") == "LCMScheduler" else "lightning",
-        max_frames=int(unet_cfg.get("motion_max_seq_length", 32)),
+        max_frames=min(int(unet_cfg.get("motion_max_seq_length", 32)), int(extra.get("max_frames", 10**6))),
         min_frames=8,
         size_multiple=multiple,
         min_size=max(64, multiple),
@@ -366,7 +389,8 @@ def _animatediff_info(model: str, path: Path) -> ModelInfo:
         default_size=(int(default[0]), int(default[1])),
         native_fps=int(extra.get("native_fps", 24)),
         max_prompt_tokens=max_tokens,
-        default_frames=16,
+        default_frames=int(extra.get("default_frames", 16)),
+        guidance_distilled=bool(extra.get("guidance_distilled", True)),
         has_tiny_vae=(path / "vae_tiny" / "config.json").exists(),
     )
 

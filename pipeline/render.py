@@ -17,6 +17,7 @@ All per-generation cache state is reset before and after every group (in a ``fin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -25,12 +26,14 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from pipeline.deepcache import DeepCache, DeepCacheConfig
-from pipeline.guidance import OVEREXPOSE_LIMIT, GuidedDenoiser, alpha_bar_fn, effective_mode
-from pipeline.models import ModelInfo, load_pipeline, load_tiny_vae
-from pipeline.prompt_cache import PromptEmbeddingCache
-from pipeline.sampler import TIERS, make_scheduler, sample
-from pipeline.textkv import TextKVCache
+from clipmill.pipeline.deepcache import DeepCache, DeepCacheConfig
+from clipmill.pipeline.guidance import OVEREXPOSE_LIMIT, GuidedDenoiser, alpha_bar_fn, effective_mode
+from clipmill.pipeline.models import ModelInfo, load_pipeline, load_tiny_vae
+from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
+from clipmill.pipeline.choices import COMPILERS, DECODERS, TIERS
+from clipmill.pipeline.compile import RESOLUTION_TIERS, compile_denoiser
+from clipmill.pipeline.sampler import make_scheduler, sample
+from clipmill.pipeline.textkv import TextKVCache
 
 log = logging.getLogger("clipmill.render")
 
@@ -79,9 +82,9 @@ class RenderOptions:
     compile: str = "none"  # none | torch | tensorrt (GPU only; see pipeline.compile)
 
     def __post_init__(self):
-        for name, value, allowed in (("decoder", self.decoder, ("vae", "tiny")),
+        for name, value, allowed in (("decoder", self.decoder, DECODERS),
                                      ("tiling", self.tiling, ("auto", "on", "off")),
-                                     ("compile", self.compile, ("none", "torch", "tensorrt"))):
+                                     ("compile", self.compile, COMPILERS)):
             if value not in allowed:
                 raise ValueError(f"RenderOptions.{name}={value!r}; allowed: {', '.join(allowed)}")
 
@@ -121,7 +124,7 @@ class Renderer:
         self.dit_cache_tier: str | None = None
         self.tiny_vae = None
         self.compiled = None
-        self._block_calls = _BlockCounter(self.denoiser) if info.family == "wan" else None
+        self._block_calls: _BlockCounter | None = None  # set only inside counting()
         self.configure(options)
 
     def configure(self, options: RenderOptions) -> None:
@@ -138,11 +141,27 @@ class Renderer:
         if options.decoder == "tiny":
             self.tiny_vae = load_tiny_vae(self.info, self.device, self.dtype)
         if options.compile != "none":
-            from pipeline.compile import compile_denoiser
-
             self.compiled, message = compile_denoiser(self.denoiser, options.compile, self.device)
             self.compile_message = message
             log.warning("%s", message)
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count the DiT blocks that really run (``blocks_run`` / ``blocks_skipped`` in each
+        result's stats) for the renders inside the ``with`` block: what the bench measures. The
+        counting hooks are installed on entry and removed on exit, whatever happens, so renders
+        outside it (every worker's) run a model with no counting hooks; the hooks stay the same
+        for the whole block, so a compiled model is not recompiled between its renders. AnimateDiff
+        counts its skipped blocks in DeepCache itself: nothing to install."""
+        if self.info.family != "wan" or self._block_calls is not None:
+            yield self
+            return
+        with _BlockCounter(self.denoiser) as counter:
+            self._block_calls = counter
+            try:
+                yield self
+            finally:
+                self._block_calls = None
 
     @property
     def dtype(self):
@@ -261,8 +280,6 @@ class Renderer:
 
     def _predictor(self, cond: torch.Tensor, neg: torch.Tensor | None, req: ClipRequest):
         """``predict(x, t, which)`` over the denoiser, with contexts bound to the text K/V cache."""
-        from pipeline.compile import RESOLUTION_TIERS
-
         frames = req.frames
         # compiled graphs are built per resolution tier; other sizes run the plain model
         model = self.compiled if self.compiled is not None and (req.width, req.height) in RESOLUTION_TIERS else self.denoiser
@@ -371,14 +388,34 @@ class Renderer:
 
 class _BlockCounter:
     """Counts DiT forwards and the transformer blocks that really ran (a block skipped by a
-    feature cache never reaches its self-attention)."""
+    feature cache never reaches its self-attention).
+
+    A measurement only (see Renderer.counting): its forward pre-hooks are on the model while
+    ``with counter:`` runs and are removed when it ends, whatever happens."""
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.calls = self.blocks_run = 0
         self.n_blocks = len(model.blocks)
-        model.register_forward_pre_hook(self._call)
-        for b in model.blocks:
-            b.attn1.register_forward_pre_hook(self._block)
+        self._handles: list = []
+
+    def __enter__(self) -> _BlockCounter:
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(self._call))
+            for b in self.model.blocks:
+                self._handles.append(b.attn1.register_forward_pre_hook(self._block))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Take every hook this counter installed off the model."""
+        while self._handles:
+            self._handles.pop().remove()
 
     def _call(self, *_):
         self.calls += 1

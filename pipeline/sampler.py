@@ -8,23 +8,13 @@ survives from one group to the next.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-SAMPLERS = ("lightning", "lcm")  # distilled AnimateDiff samplers a batch may ask for
-# every sampler make_scheduler knows: + 'flow' (Wan's flow-matching Euler) and 'ddim' (the 50-step baseline)
-ALL_SAMPLERS = (*SAMPLERS, "flow", "ddim")
-
-
-@dataclass(frozen=True)
-class Tier:
-    name: str
-    steps: int
-
-
-TIERS: dict[str, Tier] = {"fast": Tier("fast", 6), "quality": Tier("quality", 8)}
+from clipmill.pipeline.choices import ALL_SAMPLERS
 
 
 def make_scheduler(base_config, sampler: str):
@@ -83,6 +73,4 @@ def sample(
 
 
 def _takes_generator(scheduler) -> bool:
-    import inspect
-
     return "generator" in inspect.signature(scheduler.step).parameters

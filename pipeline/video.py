@@ -43,6 +43,13 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18)
             out.mux(packet)
 
 
+def _why(e: Exception) -> str:
+    """FFmpeg's reason without its errno and path: 'Invalid data found when processing input'."""
+    if isinstance(e, IndexError):
+        return "it has no video stream"
+    return getattr(e, "strerror", None) or str(e)
+
+
 def probe(path: str | Path) -> dict:
     """Codec, size, frame rate and frame count of a video file's first video stream."""
     import av
@@ -60,7 +67,7 @@ def probe(path: str | Path) -> dict:
                 "frames": frames,
             }
     except (av.error.FFmpegError, IndexError) as e:
-        raise VideoError(f"{path}: not a readable video ({e})") from e
+        raise VideoError(f"{path}: not a readable video ({_why(e)})") from e
 
 
 def decode(path: str | Path) -> tuple[np.ndarray, float]:
@@ -83,7 +90,7 @@ def decode(path: str | Path) -> tuple[np.ndarray, float]:
                     frames.append(_rgb(f))
                 n += 1
     except (av.error.FFmpegError, IndexError) as e:
-        raise VideoError(f"{path}: not a readable video ({e})") from e
+        raise VideoError(f"{path}: not a readable video ({_why(e)})") from e
     if n == 0:
         raise VideoError(f"{path}: the video stream has no frames")
     if out is None:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections import Counter
 
 import numpy as np
 
-from qc.check import QCConfig, check_frames
-from pipeline.synthetic import camera_move, photo
-from qc.synth import DEFECTS, make_set
+from clipmill.pipeline.synthetic import camera_move, photo
+from clipmill.pipeline.video import decode, encode_h264
+from clipmill.qc.check import QCConfig, check_frames
+from clipmill.qc.synth import DEFECTS, make_set
 
 
 def confusion(cfg: QCConfig = QCConfig(), seeds=(0, 1), size=(320, 192), per_motion: int = 3) -> dict:
@@ -46,11 +49,6 @@ def confusion(cfg: QCConfig = QCConfig(), seeds=(0, 1), size=(320, 192), per_mot
 
 def speed_720p(cfg: QCConfig = QCConfig(), seconds: float = 5.0, fps: float = 24.0, repeats: int = 3) -> dict:
     """Seconds to decode and check a ``seconds``-long 1280x720 H.264 clip (median of ``repeats``)."""
-    import os
-    import tempfile
-
-    from pipeline.video import decode, encode_h264
-
     rng = np.random.default_rng(0)
     frames = camera_move(photo("astronaut"), "pan", int(seconds * fps), (1280, 720), rng)
     fd, path = tempfile.mkstemp(suffix=".mp4")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qc.metrics import Series, measure, runs
+from clipmill.qc.metrics import Series, measure, runs
 
 
 @dataclass(frozen=True)
@@ -142,6 +142,32 @@ def block_events(cells: np.ndarray, floor: float, jump: float, min_value: float,
     return events
 
 
+def _num(value: float, op: str, limit: float, digits: int, pct: bool = False, fixed_limit: bool = False,
+         sign: str = "") -> tuple[str, str]:
+    """``value`` and ``limit`` as text, with as many decimals (from ``digits`` up) as make the
+    shown numbers compare the way the real ones do: never '0.72 < 0.72'. A configured limit is
+    shown as given (``:g``); a computed one (``fixed_limit``) with the same decimals as the value."""
+    value, limit = float(value), float(limit)
+    scale = 100.0 if pct else 1.0
+    holds = (lambda a, b: a < b) if op == "<" else (lambda a, b: a > b)
+    for d in range(digits, digits + 8):
+        v = f"{value * scale:{sign}.{d}f}"
+        lim = f"{limit * scale:.{d}f}" if fixed_limit else f"{limit * scale:g}"
+        if holds(float(v), float(lim)):
+            break
+    else:  # the numbers do not compare that way at all: show them at the usual precision
+        v = f"{value * scale:{sign}.{digits}f}"
+        lim = f"{limit * scale:.{digits}f}" if fixed_limit else f"{limit * scale:g}"
+    unit = "%" if pct else ""
+    return v + unit, lim + unit
+
+
+def _cmp(value: float, op: str, limit: float, digits: int, **kw) -> str:
+    """'value < limit' (or '>'), shown so that the comparison reads true (see _num)."""
+    v, lim = _num(value, op, limit, digits, **kw)
+    return f"{v} {op} {lim}"
+
+
 def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     reasons: list[str] = []
     n = len(s.luma)
@@ -151,16 +177,22 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     black = (s.luma < cfg.black_luma) & (s.spread < cfg.black_spread)
     uniform = (s.spread < cfg.uniform_spread) & ~black
     if black.all() or uniform.all() or (black | uniform).all():
-        reasons.append(f"flat: frames 0-{n - 1} (luma spread at most {s.spread.max():.2f} < {cfg.uniform_spread:g})")
+        if black.all():
+            why = f"black throughout: mean luma at most {_cmp(s.luma.max(), '<', cfg.black_luma, 1)}"
+        elif uniform.all():
+            why = f"luma spread at most {_cmp(s.spread.max(), '<', cfg.uniform_spread, 2)}"
+        else:
+            why = f"black or uniform throughout: mean luma up to {s.luma.max():.1f}, luma spread up to {s.spread.max():.2f}"
+        reasons.append(f"flat: frames 0-{n - 1} ({why})")
     else:
         if black.any():
             reasons.append(
-                f"black: frames {_ranges(runs(black))} (mean luma {s.luma[black].min():.1f} < {cfg.black_luma:g})"
+                f"black: frames {_ranges(runs(black))} (mean luma {_cmp(s.luma[black].min(), '<', cfg.black_luma, 1)})"
             )
         if uniform.any():
             reasons.append(
-                f"uniform: frames {_ranges(runs(uniform))} (luma spread {s.spread[uniform].min():.2f} "
-                f"< {cfg.uniform_spread:g})"
+                f"uniform: frames {_ranges(runs(uniform))} (luma spread "
+                f"{_cmp(s.spread[uniform].min(), '<', cfg.uniform_spread, 2)})"
             )
     if n < 2:
         return _result(reasons, s, fps)
@@ -186,9 +218,9 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
         else:
             found["garbage"].append((a + 1, b) if b > a else (a, a + 1))
     why = {  # which test made each kind of spike, with its worst value
-        k: (f"compensated residual up to {max(s.residual[x:y].max() for x, y in v):.1f} > {limit:.1f}"
+        k: (f"compensated residual up to {_cmp(max(s.residual[x:y].max() for x, y in v), '>', limit, 1, fixed_limit=True)}"
             if max(s.residual[x:y].max() for x, y in v) > limit
-            else f"compensated SSIM down to {min(s.ssim[x:y].min() for x, y in v):.2f} < {cfg.min_pair_ssim:g}")
+            else f"compensated SSIM down to {_cmp(min(s.ssim[x:y].min() for x, y in v), '<', cfg.min_pair_ssim, 2)}")
         for k, v in ((k, [(x, max(y, x + 1)) for x, y in v]) for k, v in found.items()) if v
     }
     if found["block"]:
@@ -213,7 +245,8 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
             spans = sorted({(e[0] + 1, max(e[0] + 1, e[1])) for e in events})
             reasons.append(
                 f"block: frames {_ranges(spans)} (a region's compensated residual jumps to {worst[2]:.1f}, "
-                f"{worst[3] + 1:.1f}x its level in the frames around > {cfg.block_jump + 1:g}x, then drops back)"
+                f"{_num(worst[3] + 1, '>', cfg.block_jump + 1, 1)[0]}x its level in the frames around > {cfg.block_jump + 1:g}x, "
+                f"then drops back)"
             )
 
     # 4. flicker: mean luma alternating up and down
@@ -223,8 +256,8 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     flick = [(a, b + 2) for a, b in runs(alt) if b - a + 1 >= cfg.flicker_pairs]
     if flick:
         reasons.append(
-            f"flicker: frames {_ranges(flick)} (mean luma swings up to {np.abs(d).max():.1f} "
-            f"> {cfg.flicker_luma:g}, alternating)"
+            f"flicker: frames {_ranges(flick)} (mean luma swings up to "
+            f"{_cmp(np.abs(d).max(), '>', cfg.flicker_luma, 1)}, alternating)"
         )
 
     # 5. frozen stretch inside a moving clip
@@ -258,18 +291,18 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     hp_med = float(np.median(s.hp_ratio))
     if ssim_med < cfg.boiling_ssim and hp_med > cfg.boiling_hp and not flick:
         reasons.append(
-            f"boiling: frames 0-{n - 1} (median compensated SSIM {ssim_med:.2f} < {cfg.boiling_ssim:g}, "
-            f"texture residual ratio {hp_med:.2f} > {cfg.boiling_hp:g})"
+            f"boiling: frames 0-{n - 1} (median compensated SSIM {_cmp(ssim_med, '<', cfg.boiling_ssim, 2)}, "
+            f"texture residual ratio {_cmp(hp_med, '>', cfg.boiling_hp, 2)})"
         )
     elif ssim_med < cfg.min_median_ssim and not flick:
-        reasons.append(f"unstable: frames 0-{n - 1} (median compensated SSIM {ssim_med:.2f} < {cfg.min_median_ssim:g})")
+        reasons.append(f"unstable: frames 0-{n - 1} (median compensated SSIM {_cmp(ssim_med, '<', cfg.min_median_ssim, 2)})")
 
     # 8. collapse into blur or smear
     sh0, sh1 = _quarters(s.sharpness)
     if sh0 > 0 and sh1 / sh0 < cfg.blur_ratio and not flat_frames.any():
         reasons.append(
-            f"blur: frames {3 * n // 4}-{n - 1} (sharpness {sh1:.2f} is {sh1 / sh0:.0%} of frames 0-{n // 4 - 1}'s "
-            f"{sh0:.2f} < {cfg.blur_ratio:.0%})"
+            f"blur: frames {3 * n // 4}-{n - 1} (sharpness {sh1:.2f} is "
+            f"{_cmp(sh1 / sh0, '<', cfg.blur_ratio, 0, pct=True)} of frames 0-{n // 4 - 1}'s {sh0:.2f})"
         )
     return _result(reasons, s, fps)
 

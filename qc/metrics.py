@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from pipeline.flow import FlowEstimator, ssim_map, warp
+from clipmill.pipeline.flow import FlowEstimator, ssim_map, warp
 
 GRID = 12  # cells per side for local (block) residuals
 BORDER = 0.06  # fraction of each side left out of residuals: flow is unreliable at the edges

@@ -5,8 +5,8 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-from qc.check import QCResult
-from qc.metrics import Series
+from clipmill.qc.check import QCResult
+from clipmill.qc.metrics import Series
 
 CURVES = (  # (name, attribute, colour BGR, fixed range or None)
     ("compensated SSIM", "ssim", (60, 180, 60), (0.0, 1.0)),

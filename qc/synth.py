@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from pipeline.synthetic import camera_move, photo, sensor_noise
+from clipmill.pipeline.synthetic import camera_move, photo, sensor_noise
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field",
           "camera", "coins", "retina", "cat", "brick", "gravel", "moon")

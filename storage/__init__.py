@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from storage.base import Storage, StorageError, check_key
-from storage.local import LocalStorage
+from clipmill.storage.base import Storage, StorageError, StorageUnavailable, check_key
+from clipmill.storage.local import LocalStorage
 
 
 def open_storage(url: str) -> Storage:
     """Storage for an ``--out`` or ``--to`` value: a local folder, or ``s3://bucket/prefix``."""
     if url.startswith("s3://"):
-        from storage.s3 import S3Storage
+        from clipmill.storage.s3 import S3Storage
 
         return S3Storage(url)
     if "://" in url:
@@ -18,4 +18,4 @@ def open_storage(url: str) -> Storage:
     return LocalStorage(url)
 
 
-__all__ = ["Storage", "StorageError", "LocalStorage", "check_key", "open_storage"]
+__all__ = ["Storage", "StorageError", "StorageUnavailable", "LocalStorage", "check_key", "open_storage"]

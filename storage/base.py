@@ -12,6 +12,11 @@ class StorageError(ValueError):
     """A key or location that storage refuses."""
 
 
+class StorageUnavailable(StorageError):
+    """Storage that cannot be reached or written: missing credentials, no such bucket, a
+    folder that cannot be created or written. A setup problem, not a job's own failure."""
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -49,3 +54,6 @@ class Storage(Protocol):
 
     def location(self, key: str) -> str:
         """Where ``key`` lives, for people and sidecars: a path or a URL."""
+
+    def check_writable(self) -> None:
+        """Write and delete a probe under the root; StorageUnavailable (one line) if that fails."""

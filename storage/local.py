@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from storage.base import check_key, sha256_file
+from clipmill.storage.base import StorageUnavailable, check_key, sha256_file
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -68,3 +68,29 @@ class LocalStorage:
 
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
+
+    def check_writable(self) -> None:
+        """Create the root if it is missing, write and delete a probe file in it; folders this
+        check created are removed again, so a run refused later leaves nothing behind."""
+        created = []
+        p = self.root
+        while not p.exists() and p != p.parent:
+            created.append(p)
+            p = p.parent
+        if not p.is_dir():
+            raise StorageUnavailable(f"{p} is a file, not a folder")
+        try:
+            for d in reversed(created):
+                d.mkdir()
+            fd, probe = tempfile.mkstemp(prefix=".clipmill-probe-", dir=self.root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            where = e.filename or self.root
+            raise StorageUnavailable(f"cannot write in {where} ({e.strerror or e})") from None
+        finally:
+            for d in created:  # deepest first
+                try:
+                    d.rmdir()
+                except OSError:
+                    pass

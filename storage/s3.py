@@ -12,8 +12,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import uuid
 
-from storage.base import StorageError, check_key, sha256_file
+from clipmill.storage.base import StorageError, StorageUnavailable, check_key, sha256_file
 
 MULTIPART_BYTES = 8 * 1024 * 1024
 
@@ -35,8 +36,9 @@ class S3Storage:
 
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_url(url)
-        endpoint = endpoint_url or os.environ.get("CLIPMILL_S3_ENDPOINT") or None
-        self.client = client or boto3.client("s3", endpoint_url=endpoint)
+        self.endpoint = endpoint_url or os.environ.get("CLIPMILL_S3_ENDPOINT") or None
+        self._own_client = client is None
+        self.client = client or boto3.client("s3", endpoint_url=self.endpoint)
         self.transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
 
     def __repr__(self) -> str:
@@ -93,3 +95,48 @@ class S3Storage:
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def check_writable(self) -> None:
+        """The bucket is reachable with the credentials in use, and a probe object can be
+        written and deleted under the prefix. Fails within seconds (short timeouts, one retry)
+        with a one-line StorageUnavailable."""
+        import boto3
+        from botocore.config import Config
+
+        client = self.client
+        if self._own_client:
+            client = boto3.client("s3", endpoint_url=self.endpoint, config=Config(
+                connect_timeout=5, read_timeout=20, retries={"total_max_attempts": 2, "mode": "standard"}))
+        probe = self._key(f".clipmill-probe-{uuid.uuid4().hex}")
+        try:
+            client.head_bucket(Bucket=self.bucket)
+            client.put_object(Bucket=self.bucket, Key=probe, Body=b"")
+            client.delete_object(Bucket=self.bucket, Key=probe)
+        except Exception as e:  # noqa: BLE001 - botocore's errors, each said in one line
+            raise StorageUnavailable(describe_error(e, self.bucket, self.endpoint)) from None
+
+
+def describe_error(e: BaseException, bucket: str | None = None, endpoint: str | None = None) -> str:
+    """One line for a boto3/botocore error: missing credentials, no such bucket, access denied,
+    an unreachable endpoint."""
+    from botocore.exceptions import (ClientError, EndpointConnectionError, NoCredentialsError,
+                                     PartialCredentialsError)
+
+    where = f"bucket {bucket!r}" if bucket else "S3"
+    at = f" at {endpoint}" if endpoint else ""
+    if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+        return (f"no S3 credentials found ({e}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                "AWS_PROFILE, or use an instance role")
+    if isinstance(e, EndpointConnectionError):
+        return f"cannot reach the S3 endpoint{at or ''} ({e})"
+    if isinstance(e, ClientError):
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        if code in ("404", "NoSuchBucket", "NotFound"):
+            return f"{where} does not exist{at}"
+        if code in ("403", "AccessDenied", "Forbidden", "AllAccessDisabled"):
+            return f"access to {where}{at} denied with the credentials in use"
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken"):
+            return f"the S3 credentials in use were refused ({code})"
+        return f"{where}{at}: {code or 'error'}: {err.get('Message') or e}"
+    return f"{where}{at}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -15,6 +15,37 @@ PG_URL = os.environ.get("CLIPMILL_TEST_PG_URL", "postgresql+psycopg://postgres@1
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+# The fast tier (`make test-fast`, `pytest --fast`): no servers, no browser, no worker
+# processes, under 2 minutes on 2 cores. It leaves out every test that uses one of these
+# fixtures, the PostgreSQL half of the SQLite/PostgreSQL pairs, and tests marked `slow`.
+SERVICE_FIXTURES = {"pg_url", "broker", "farm", "s3", "server", "batch"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the fast tier: no PostgreSQL, Redis, S3, browser or worker processes; no slow tests")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a test of more than a few seconds; left out of the fast tier")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        uses_pg = params is not None and params.params.get("db_url") == "postgresql"
+        if SERVICE_FIXTURES & set(item.fixturenames) or uses_pg or item.get_closest_marker("slow") \
+                or item.get_closest_marker("load"):
+            drop.append(item)
+        else:
+            keep.append(item)
+    items[:] = keep
+    config.hook.pytest_deselected(items=drop)
+
+
 def need_service(name: str, error: Exception) -> None:
     msg = f"{name} is not reachable ({error.__class__.__name__}: {error})"
     if IN_CI:
@@ -61,7 +92,7 @@ def db_url(request):
 
 @pytest.fixture
 def db(db_url):
-    from jobs.db import Database
+    from clipmill.jobs.core.db import Database
 
     d = Database(db_url)
     yield d

@@ -1,6 +1,6 @@
 import pytest
 
-from jobs.cleaning import Elements, camera_canonical, clean_elements, normalize, split_free_prompt
+from clipmill.jobs.core.cleaning import Elements, camera_canonical, clean_elements, normalize, split_free_prompt
 
 
 @pytest.mark.parametrize(

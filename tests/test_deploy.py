@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from jobs.cli import main
+from clipmill.jobs.cli import main
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -37,14 +37,18 @@ def test_compose_file_parses_and_starts_real_commands():
     assert services["review"]["command"][services["review"]["command"].index("--host") + 1] == "0.0.0.0"
     assert "CLIPMILL_REVIEW_TOKEN=" in (DEPLOY / ".env.example").read_text()  # review refuses 0.0.0.0 without it
     assert services["beat"]["command"][0] == "beat" and "deploy" not in services["beat"]  # one, on no GPU
-    assert services["flower"]["entrypoint"][:4] == ["celery", "-A", "jobs.celery_app", "flower"]
+    assert services["flower"]["entrypoint"][:4] == ["celery", "-A", "clipmill.jobs.farm.app", "flower"]
     assert "FLOWER_BASIC_AUTH=" in (DEPLOY / ".env.example").read_text()  # Flower's port is published
 
 
 def test_beat_schedule_from_the_environment():
     from celery.schedules import crontab
 
-    from jobs.celery_app import app, beat_schedule
+    from clipmill.jobs.core.settings import Settings
+    from clipmill.jobs.farm.app import app, beat_schedule as from_settings
+
+    def beat_schedule(env):
+        return from_settings(Settings.from_env(env))
 
     default = beat_schedule({})
     assert list(default) == ["reconcile"]

@@ -14,8 +14,8 @@ import pytest
 from sqlalchemy import func, select
 
 from conftest import need_service
-from jobs.db import Database
-from jobs.models import Attempt, Job
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Job
 from services import stop
 
 REDIS = ("127.0.0.1", 6379)
@@ -47,13 +47,13 @@ def farm(pg_url, broker, tmp_path, tiny_cache):
 
     def start(*args, extra_env=None):
         log = open(tmp_path / f"worker-{len(procs)}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", *args, "--loglevel", "INFO"],
+        p = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "worker", *args, "--loglevel", "INFO"],
                              env=dict(env, **(extra_env or {})), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
         procs.append(p)
         return p
 
     def cli(*args, extra_env=None, check=True):
-        proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], env=dict(env, **(extra_env or {})),
+        proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", *args], env=dict(env, **(extra_env or {})),
                               cwd=tmp_path, capture_output=True, text=True, timeout=300)
         if check:
             assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -172,7 +172,18 @@ def test_kill_9_render_worker_mid_group_loses_and_duplicates_nothing(farm, tmp_p
     assert_exactly_once(db, tmp_path / "out")
     with db.session() as s:
         abandoned = s.scalars(select(Attempt).where(Attempt.error.like("abandoned:%"))).all()
+        jobs = {j.id: j for j in s.scalars(select(Job))}
+        attempts = s.scalars(select(Attempt).order_by(Attempt.job_id, Attempt.number)).all()
     assert abandoned  # the killed group's attempts are kept, marked abandoned
+    # An attempt lost with its worker does not count against --max-attempts 2: a job whose first
+    # attempt died in the crash renders again, and when QC rejects that render (the tiny model's
+    # clips are noise, which QC rejects), it still gets its QC retry at the quality tier.
+    for a in abandoned:
+        assert a.number == 1 and jobs[a.job_id].attempts_lost == 1
+        mine = [(x.number, x.state, x.tier, x.verdict) for x in attempts if x.job_id == a.job_id]
+        assert mine[1][:2] == (2, "rejected") and mine[1][3] == "reject", mine  # attempt 2, rejected by QC ...
+        assert len(mine) == 3 and mine[2][0] == 3 and mine[2][2] == "quality", mine  # ... and retried at quality
+        assert jobs[a.job_id].state in ("passed", "rejected")
 
 
 def test_redis_restart_mid_batch_then_reconcile_loses_nothing(pg_url, tmp_path, tiny_cache):
@@ -197,10 +208,10 @@ def test_redis_restart_mid_batch_then_reconcile_loses_nothing(pg_url, tmp_path, 
     try:
         for args in (("--queues", "render"), ("--queues", "post", "--concurrency", "2")):
             log = open(tmp_path / f"w{len(workers)}.log", "w")
-            workers.append(subprocess.Popen([sys.executable, "-m", "jobs.cli", "worker", *args], env=env, cwd=tmp_path,
+            workers.append(subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "worker", *args], env=env, cwd=tmp_path,
                                             stdout=log, stderr=subprocess.STDOUT))
         write_batch(tmp_path, 8)
-        subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "b.csv", "--batch", "b", "--out", str(tmp_path / "out"),
+        subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "submit", "b.csv", "--batch", "b", "--out", str(tmp_path / "out"),
                         "--size", "64", "--frames", "8", "--max-attempts", "1"], env=env, cwd=tmp_path, check=True,
                        capture_output=True, timeout=300)
         deadline = time.time() + 120
@@ -214,7 +225,7 @@ def test_redis_restart_mid_batch_then_reconcile_loses_nothing(pg_url, tmp_path, 
         time.sleep(1)
         redis_proc = redis_up()  # empty: every message in it is lost
         reconcile_until_final(db, 8, lambda: subprocess.run(
-            [sys.executable, "-m", "jobs.cli", "reconcile", "--stale", "3"], env=env, cwd=tmp_path,
+            [sys.executable, "-m", "clipmill.jobs.cli", "reconcile", "--stale", "3"], env=env, cwd=tmp_path,
             capture_output=True, timeout=120))
         assert_exactly_once(db, tmp_path / "out")
     finally:
@@ -280,7 +291,7 @@ def test_two_render_workers_race_for_the_same_jobs_one_attempt_wins(farm, broker
     same time: each job is claimed once, rendered once, one clip."""
     from celery import Celery
 
-    from jobs.celery_app import app
+    from clipmill.jobs.farm.app import app
 
     env, start, cli, db = farm
     write_batch(tmp_path, 6)
@@ -370,7 +381,7 @@ def test_beat_reconciles_and_its_nightly_task_drains_the_queue_and_reports(farm,
 
     from celery import Celery
 
-    from jobs.celery_app import app
+    from clipmill.jobs.farm.app import app
 
     env, start, cli, db = farm
     out = tmp_path / "out"
@@ -382,7 +393,7 @@ def test_beat_reconciles_and_its_nightly_task_drains_the_queue_and_reports(farm,
     start("--queues", "post", "--concurrency", "2", extra_env={"CLIPMILL_OUT": str(out)})
     log = open(tmp_path / "beat.log", "w")
     beat = subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "beat", "--schedule", str(tmp_path / "beat-schedule")],
+        [sys.executable, "-m", "clipmill.jobs.cli", "beat", "--schedule", str(tmp_path / "beat-schedule")],
         env=dict(env, CLIPMILL_RECONCILE_EVERY="2", CLIPMILL_NIGHTLY_AT="21:30", CLIPMILL_NIGHTLY_DEADLINE="06:45"),
         cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -432,7 +443,7 @@ def test_flower_lists_the_farm_workers(farm, tmp_path):
     port = free_port()
     log = open(tmp_path / "flower.log", "w")
     flower = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "jobs.celery_app", "flower", f"--port={port}", "--address=127.0.0.1"],
+        [sys.executable, "-m", "celery", "-A", "clipmill.jobs.farm.app", "flower", f"--port={port}", "--address=127.0.0.1"],
         env=dict(env, FLOWER_BASIC_AUTH="ops:a-long-flower-secret"), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_port(port, flower)

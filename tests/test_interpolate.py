@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from jobs.cli import main
-from pipeline.interpolate import interpolate, psnr
-from pipeline.retime import output_count, retime_linear, source_times
-from pipeline.synthetic import camera_move, photo
-from pipeline.video import decode, encode_h264, probe
+from clipmill.jobs.cli import main
+from clipmill.pipeline.interpolate import interpolate, psnr
+from clipmill.pipeline.retime import output_count, retime_linear, source_times
+from clipmill.pipeline.synthetic import camera_move, photo
+from clipmill.pipeline.video import decode, encode_h264, probe
 
 
 def pan120(n, speed=2.0, size=(320, 192), img="coffee"):
@@ -66,6 +66,6 @@ def test_interpolate_command_writes_h264_with_exact_count(tmp_path):
 
 def test_interpolate_command_errors(tmp_path):
     res = CliRunner().invoke(main, ["interpolate", str(tmp_path / "missing.mp4"), str(tmp_path / "o.mp4"), "--fps", "60"])
-    assert res.exit_code == 1 and "missing.mp4" in res.output
+    assert res.exit_code == 2 and f"Error: SRC {tmp_path / 'missing.mp4'}: no such file" in res.output
     res = CliRunner().invoke(main, ["interpolate", "a.mp4"])
     assert res.exit_code == 2 and "give SRC DST --fps N, or --bench" in res.output

@@ -4,8 +4,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from jobs.db import Database
-from jobs.models import Base
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Base
 
 
 def test_migrations_match_models(db):

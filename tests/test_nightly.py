@@ -11,24 +11,24 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from sqlalchemy import select
 
-from jobs.db import Database
-from jobs.models import Attempt, Job
-from jobs.nightly import parse_deadline
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.farm.nightly import parse_deadline
 
 
 def test_parse_deadline():
     now = datetime(2026, 11, 29, 22, 0, tzinfo=timezone.utc)
-    assert parse_deadline("07:00", now) == datetime(2026, 11, 30, 7, 0, tzinfo=timezone.utc)
-    assert parse_deadline("23:30", now) == datetime(2026, 11, 29, 23, 30, tzinfo=timezone.utc)
-    assert parse_deadline("+90", now) == now + timedelta(seconds=90)
+    assert parse_deadline("07:00", "UTC", now) == datetime(2026, 11, 30, 7, 0, tzinfo=timezone.utc)
+    assert parse_deadline("23:30", "UTC", now) == datetime(2026, 11, 29, 23, 30, tzinfo=timezone.utc)
+    assert parse_deadline("+90", "UTC", now) == now + timedelta(seconds=90)
     with pytest.raises(ValueError, match="--deadline '25:00': not a time of day"):
-        parse_deadline("25:00", now)
+        parse_deadline("25:00", "UTC", now)
     with pytest.raises(ValueError, match="--deadline 'soon': allowed HH:MM, \\+SECONDS or an ISO date-time"):
-        parse_deadline("soon", now)
+        parse_deadline("soon", "UTC", now)
 
 
 def run(env, cwd, *args):
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], env=env, cwd=cwd, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
@@ -60,9 +60,9 @@ def test_supervisor_moves_queued_quality_jobs_to_fast_and_back(db, tmp_path):
     """Groups measured at 1 s per step per clip; 20 quality jobs queued: with 100 s left they
     do not fit at quality (160 s) but do at fast (120 s > 100: even fast is short: will_miss),
     with an hour left they all go back to quality."""
-    from jobs.batches import SubmitOptions, submit
-    from jobs.nightly import Supervisor
-    from jobs.queue import claim_group
+    from clipmill.jobs.core.batches import SubmitOptions, submit
+    from clipmill.jobs.farm.nightly import Supervisor
+    from clipmill.jobs.core.queue import claim_group
 
     f = tmp_path / "q.csv"
     f.write_text("prompt,tier\n" + "".join(f'"dish {i}, orbit",quality\n' for i in range(24)))
@@ -93,21 +93,17 @@ def test_supervisor_moves_queued_quality_jobs_to_fast_and_back(db, tmp_path):
 def test_a_second_nightly_run_on_the_same_postgresql_table_stops_at_once(pg_url, tmp_path):
     """One nightly per job table: while one holds the lock, another (a second beat, or one by
     hand) exits with the reason instead of making tier decisions against the first."""
-    from sqlalchemy import text
-
-    from jobs.nightly import NIGHTLY_LOCK
+    from clipmill.jobs.farm.nightly import single_run
 
     env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url)
     env.pop("CLIPMILL_BROKER_URL", None)
     db = Database(pg_url)
-    with db.engine.connect() as holder:  # the first run's lock
-        assert holder.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": NIGHTLY_LOCK}).scalar()
-        proc = subprocess.run([sys.executable, "-m", "jobs.cli", "nightly", "--deadline", "+60", "--out",
+    with single_run(db):  # the first run's lock
+        proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "nightly", "--deadline", "+60", "--out",
                                str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1
+        assert proc.returncode == 3  # setup: the lock is held
         assert "another nightly run is in progress on this database" in proc.stderr
-        holder.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": NIGHTLY_LOCK})
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "nightly", "--deadline", "+60", "--out",
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "nightly", "--deadline", "+60", "--out",
                            str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr  # free again: an empty queue drains at once
     assert "not finished 0" in proc.stdout

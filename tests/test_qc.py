@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from jobs.cli import main
-from pipeline.video import encode_h264
-from qc import QCConfig, check_frames
-from qc.bench import confusion
-from pipeline.synthetic import camera_move, photo
-from qc.synth import DEFECTS, apply_defect
+from clipmill.jobs.cli import main
+from clipmill.pipeline.video import encode_h264
+from clipmill.qc import QCConfig, check_frames
+from clipmill.qc.bench import confusion
+from clipmill.pipeline.synthetic import camera_move, photo
+from clipmill.qc.synth import DEFECTS, apply_defect
 
 
 def pan(n=48, size=(256, 144), seed=0):
@@ -81,14 +81,15 @@ def test_qc_cli_json_lines_on_real_h264_files(tmp_path):
     (tmp_path / "broken.mp4").write_bytes(b"not a video")
     args = [str(tmp_path / n) for n in ("good.mp4", "bad.mp4", "broken.mp4")]
     res = CliRunner().invoke(main, ["qc", "--json", *args])
-    assert res.exit_code == 1  # one unreadable file
-    lines = [json.loads(line) for line in res.output.splitlines()]
+    assert res.exit_code == 2  # one unreadable file: an error, never a verdict
+    lines = [json.loads(line) for line in res.stdout.splitlines()]
     assert [line["path"] for line in lines] == args
-    assert [set(line) for line in lines] == [{"path", "verdict", "reasons", "metrics"}] * 3
-    assert [line["verdict"] for line in lines] == ["pass", "reject", "reject"]
+    assert [set(line) for line in lines] == [{"path", "verdict", "reasons", "metrics"}] * 2 + [{"path", "error"}]
+    assert [line.get("verdict") for line in lines] == ["pass", "reject", None]
     assert lines[0]["metrics"]["frames"] == 48 and lines[0]["metrics"]["fps"] == 24
     assert lines[1]["reasons"][0].startswith("black: frames 20-25")
-    assert lines[2]["reasons"][0].startswith("unreadable: ")
+    assert lines[2]["error"] == "not a readable video (Invalid data found when processing input)"
+    assert f"error: {args[2]}: not a readable video (Invalid data found when processing input)" in res.stderr
 
 
 def test_qc_cli_explain_and_contact_sheet(tmp_path):

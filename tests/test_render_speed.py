@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.deepcache import DeepCache, DeepCacheConfig
-from pipeline.models import model_info
-from pipeline.prompt_cache import PromptEmbeddingCache
-from pipeline.render import ClipRequest, GroupSettings, Renderer, RenderOptions
-from pipeline.textkv import TextKVCache
+from clipmill.pipeline.deepcache import DeepCache, DeepCacheConfig
+from clipmill.pipeline.models import model_info
+from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
+from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer, RenderOptions
+from clipmill.pipeline.textkv import TextKVCache
 
 PLAIN = RenderOptions(text_kv=False, prompt_cache=0)
 PSNR_RCFG_VS_CFG = 30.0
@@ -190,7 +190,8 @@ def test_deepcache_skips_deep_blocks_on_alternate_steps_and_is_removable(ad):
 def test_wan_feature_cache_is_diffusers_first_block_cache_per_tier(wan):
     wan.configure(replace(PLAIN, feature_cache=True))
     for tier in ("fast", "quality"):
-        r = wan.render(reqs(1, frames=9), GroupSettings(tier=tier, sampler="flow"))[0]
+        with wan.counting():  # the block counters, as the bench installs them
+            r = wan.render(reqs(1, frames=9), GroupSettings(tier=tier, sampler="flow"))[0]
         assert wan.denoiser.is_cache_enabled and wan.dit_cache_tier == tier
         assert r.stats["blocks_run"] + r.stats["blocks_skipped"] == r.stats["steps"] * len(wan.denoiser.blocks)
     wan.configure(PLAIN)
@@ -216,7 +217,7 @@ def test_rcfg_is_refused_where_it_diverges(ad, tmp_path):
     with pytest.raises(ValueError, match="R-CFG diverges at guidance 2 and above"):
         ad.render(reqs(1), GroupSettings(guidance=2.0, guidance_mode="rcfg-self"))
     (tmp_path / "p.csv").write_text("prompt\nramen on a table\n")
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "p.csv", "--guidance", "3", "--guidance-mode",
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "run", "p.csv", "--guidance", "3", "--guidance-mode",
                            "rcfg-self", "--size", "64", "--frames", "8"], cwd=tmp_path, capture_output=True, text=True,
                           env={**__import__("os").environ, "CLIPMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"})
     assert proc.returncode == 2 and "guidance 3 with rcfg-self: R-CFG diverges at guidance 2 and above" in proc.stderr
@@ -229,7 +230,7 @@ def test_rcfg_is_refused_on_a_flow_matching_model(wan):
 
 def test_distilled_model_with_high_cfg_is_warned_about(tmp_path):
     (tmp_path / "p.csv").write_text("prompt\nramen on a table\n")
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "p.csv", "--guidance", "7.5", "--out", "o"],
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "submit", "p.csv", "--guidance", "7.5", "--out", "o"],
                           cwd=tmp_path, capture_output=True, text=True,
                           env={**__import__("os").environ, "CLIPMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"})
     assert proc.returncode == 0, proc.stderr
@@ -280,14 +281,28 @@ def test_alone_and_in_a_batch_of_four_match_with_every_layer_on(ad):
 
 
 def test_tiled_and_tiny_decoders(ad):
+    """At 128 px the tiny VAE's latent (16x16) is larger than its tile (8x8 latents, 64 px), so
+    a tiled decode really runs the decoder tile by tile; the picture stays the same size and
+    close to the untiled one (tiles overlap and are blended)."""
     s = GroupSettings()
-    base = ad.render(reqs(1), s)[0].frames
-    ad.configure(replace(PLAIN, tiling="on"))
-    tiled = ad.render(reqs(1), s)[0].frames
-    assert tiled.shape == base.shape  # tiles at 64 px are the whole frame: the same picture
+    calls = []
+    hook = ad.pipe.vae.decoder.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        ad.configure(replace(PLAIN, tiling="off"))
+        base = ad.render(reqs(1, size=128), s)[0].frames
+        untiled_calls, calls[:] = len(calls), []
+        ad.configure(replace(PLAIN, tiling="on"))
+        tiled = ad.render(reqs(1, size=128), s)[0].frames
+        tiled_calls = len(calls)
+    finally:
+        hook.remove()
+    assert tiled.shape == base.shape == (8, 128, 128, 3)
+    assert tiled_calls >= 4 * untiled_calls, (tiled_calls, untiled_calls)  # 3x3 tiles per decode
+    diff = np.abs(tiled.astype(float) - base.astype(float))
+    assert not np.array_equal(tiled, base) and diff.mean() < 0.25 * base.std(), (diff.mean(), base.std())
     ad.configure(replace(PLAIN, decoder="tiny"))
     tiny = ad.render(reqs(1), s)[0].frames
-    assert tiny.shape == base.shape and tiny.std() > 0
+    assert tiny.shape == (8, 64, 64, 3) and tiny.std() > 0
     ad.configure(PLAIN)
 
 
@@ -316,12 +331,12 @@ def test_families_say_what_frames_and_sizes_they_take():
 def test_submit_refuses_frame_counts_wan_cannot_take(tmp_path):
     (tmp_path / "w.csv").write_text("prompt,frames\nramen,17\ncoffee,16\n")
     env = {**__import__("os").environ, "CLIPMILL_DATABASE_URL": f"sqlite:///{tmp_path / 'c.db'}"}
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "w.csv", "--model", "tiny-wan"],
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "submit", "w.csv", "--model", "tiny-wan"],
                           cwd=tmp_path, capture_output=True, text=True, env=env)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert ("w.csv:3: frames: '16' is not a frame count this model takes; allowed: 4k+1 from 5 to 81 (5, 9, ...)"
             in proc.stderr)
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "submit", "w.csv", "--model", "tiny-wan", "--frames", "20"],
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "submit", "w.csv", "--model", "tiny-wan", "--frames", "20"],
                           cwd=tmp_path, capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and "--frames: 20: the wan model takes 4k+1 from 5 to 81" in proc.stderr
 
@@ -329,7 +344,7 @@ def test_submit_refuses_frame_counts_wan_cannot_take(tmp_path):
 # -- the ladder ----------------------------------------------------------------------------------
 
 def test_bench_json_has_every_row_with_ratios_and_deviations(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "bench", "--model", "tiny", "--size", "64", "--frames", "8",
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "bench", "--model", "tiny", "--size", "64", "--frames", "8",
                            "--repeat", "1", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 from sqlalchemy import select
 
-from jobs.db import Database
-from jobs.models import Decision, Job
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Decision, Job
 from services import free_port, need_program, stop, wait_port
 
 # QC thresholds that let the tiny model's noise through, so the batch has survivors to review
@@ -38,7 +38,7 @@ min_median_ssim = -2
 
 
 def cli(*args, env, cwd, check=True):
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", *args], env=env, cwd=cwd, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", *args], env=env, cwd=cwd, capture_output=True,
                           text=True, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -65,7 +65,7 @@ def batch(tmp_path_factory, tiny_cache):
 def server(batch):
     tmp, env, _ = batch
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "review", "ads", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "ads", "--port", str(port)], env=env,
                             cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_port(port, proc)
     yield f"http://127.0.0.1:{port}"
@@ -206,7 +206,7 @@ def test_token_required_when_set(batch):
     tmp, env, _ = batch
     port = free_port()
     token = "s3cret-token-for-tests"
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.cli", "review", "ads", "--port", str(port), "--token", token],
+    proc = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "ads", "--port", str(port), "--token", token],
                             env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_port(port, proc)
@@ -225,5 +225,5 @@ def test_binding_beyond_loopback_needs_a_token(batch):
     tmp, env, _ = batch
     env = {k: v for k, v in env.items() if k != "CLIPMILL_REVIEW_TOKEN"}
     res = cli("review", "ads", "--host", "0.0.0.0", env=env, cwd=tmp, check=False)
-    assert res.returncode == 1
+    assert res.returncode == 2  # bad input
     assert "Error: --host 0.0.0.0: binding beyond this machine needs --token (or CLIPMILL_REVIEW_TOKEN)" in res.stderr

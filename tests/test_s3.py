@@ -11,11 +11,11 @@ import urllib.request
 import pytest
 from sqlalchemy import select
 
-from jobs.db import Database
-from jobs.models import Attempt, Job
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Job
 from services import free_port, need_program, stop, wait_port
-from storage import open_storage
-from storage.s3 import MULTIPART_BYTES, S3Storage
+from clipmill.storage import open_storage
+from clipmill.storage.s3 import MULTIPART_BYTES, S3Storage
 
 CREDS = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
@@ -59,12 +59,12 @@ def test_put_get_stat_delete_and_verified_multipart(s3, tmp_path):
 
 
 def test_run_to_s3_review_from_s3_and_export_to_s3(s3, tmp_path):
-    from jobs.export import export_batch
-    from jobs.review import decide
+    from clipmill.jobs.review.export import export_batch
+    from clipmill.jobs.review.decisions import decide
 
     env = dict(os.environ, CLIPMILL_DATABASE_URL=f"sqlite:///{tmp_path / 'c.db'}")
     (tmp_path / "a.csv").write_text('id,prompt\nx1,"ramen, orbit"\nx2,"sushi, pan left"\n')
-    proc = subprocess.run([sys.executable, "-m", "jobs.cli", "run", "a.csv", "--batch", "s3b", "--out", "s3://ads/clips",
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "run", "a.csv", "--batch", "s3b", "--out", "s3://ads/clips",
                            "--size", "64", "--frames", "8", "--max-attempts", "1"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -83,7 +83,7 @@ def test_run_to_s3_review_from_s3_and_export_to_s3(s3, tmp_path):
 
     # the review server streams clips stored in S3
     port = free_port()
-    srv = subprocess.Popen([sys.executable, "-m", "jobs.cli", "review", "s3b", "--port", str(port)], cwd=tmp_path,
+    srv = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "s3b", "--port", str(port)], cwd=tmp_path,
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_port(port, srv)
@@ -112,12 +112,12 @@ def test_run_to_s3_review_from_s3_and_export_to_s3(s3, tmp_path):
 
 def test_export_to_folder_resumes_after_a_partial_copy(tmp_path):
     """A local destination with one clip missing and one truncated gets exactly those two."""
-    from jobs.batches import SubmitOptions, submit
-    from jobs.embedded import run_batch
-    from jobs.export import export_batch
-    from jobs.prompts import Defaults
-    from jobs.review import decide
-    from jobs.stages import WorkerContext
+    from clipmill.jobs.core.batches import SubmitOptions, submit
+    from clipmill.jobs.runner.embedded import run_batch
+    from clipmill.jobs.review.export import export_batch
+    from clipmill.jobs.core.prompts import Defaults
+    from clipmill.jobs.review.decisions import decide
+    from clipmill.jobs.runner.stages import WorkerContext
 
     db = Database(f"sqlite:///{tmp_path / 'e.db'}")
     (tmp_path / "e.csv").write_text('prompt\n"a, orbit"\n"b, orbit"\n"c, orbit"\n')

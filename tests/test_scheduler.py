@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.scheduler import SchedulerConfig, TierScheduler, simulate
+from clipmill.jobs.farm.scheduler import SchedulerConfig, TierScheduler, simulate
 
 
 def test_enough_time_stays_at_quality():

@@ -7,11 +7,11 @@ import threading
 import pytest
 from sqlalchemy import select
 
-from jobs.batches import SubmitOptions, submit
-from jobs.db import Database
-from jobs.models import Attempt, Job
-from jobs.queue import claim_group, reclaim
-from jobs.states import JOB_MOVES, IllegalMove, JobState, MoveConflict, move_job
+from clipmill.jobs.core.batches import SubmitOptions, submit
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.core.queue import claim_group, reclaim
+from clipmill.jobs.core.states import JOB_MOVES, IllegalMove, JobState, MoveConflict, move_job
 
 
 def make_batch(db, tmp_path, rows=1, name="b"):
@@ -121,7 +121,7 @@ def test_groups_only_join_compatible_jobs(db, tmp_path):
 def test_a_job_whose_attempt_failed_renders_alone(db, tmp_path):
     """After a group's render error (out of memory, say) its jobs are retried one by one: a
     group of one may fit, and a poison job takes no healthy job down with it again."""
-    from jobs.stages import _fail
+    from clipmill.jobs.runner.stages import _fail
 
     make_batch(db, tmp_path, rows=3)
     group = claim_group(db, "w", "b", size=4)
@@ -153,8 +153,8 @@ def test_reclaim_takes_back_jobs_of_a_dead_worker(db, tmp_path):
 def test_cancel_and_retry_commands(db, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from jobs.cli import main
-    from jobs.operations import TargetError, cancel, retry
+    from clipmill.jobs.cli import main
+    from clipmill.jobs.core.operations import TargetError, cancel, retry
 
     res = make_batch(db, tmp_path, rows=3)
     a, b, c = res.job_ids
@@ -175,14 +175,14 @@ def test_cancel_and_retry_commands(db, tmp_path, monkeypatch):
     out = CliRunner().invoke(main, ["cancel", "b"])
     assert out.exit_code == 0 and out.output.strip() == f"cancelled 3 job(s): {a}, {b}, {c}"
     out = CliRunner().invoke(main, ["retry", "b"])
-    assert out.exit_code == 1 and "nothing to retry: give --failed and/or --cancelled" in out.output
+    assert out.exit_code == 2 and "nothing to retry: give --failed, --rejected and/or --cancelled" in out.output
 
 
 def test_status_progress_and_eta(db, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from jobs.batches import batch_status
-    from jobs.cli import main
+    from clipmill.jobs.core.batches import batch_status
+    from clipmill.jobs.cli import main
 
     make_batch(db, tmp_path, rows=4)
     claimed = claim_group(db, "w", "b", size=2)

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.retime import output_count, retime_linear
-from pipeline.video import decode, encode_h264, probe
-from storage import LocalStorage, StorageError, open_storage
+from clipmill.pipeline.retime import output_count, retime_linear
+from clipmill.pipeline.video import decode, encode_h264, probe
+from clipmill.storage import LocalStorage, StorageError, open_storage
 
 
 def test_put_get_delete_and_no_temp_files_left(tmp_path):

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 from sqlalchemy import text
 
-from jobs.cli import main
+from clipmill.jobs.cli import main
 
 TEMPLATE = "{dish} on a table in {store}, {camera}"
 
@@ -133,7 +133,7 @@ def test_bad_input_exact_message_and_database_unchanged(cli, db, tmp_path, name,
     assert cli("submit", write(tmp_path, "good.csv", GOOD), "--batch", "before").exit_code == 0
     before = snapshot(db)
     res = cli("submit", write(tmp_path, name, content))
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # bad input
     n = len(messages)
     assert f"Error: {name}: {n} problem{'s' if n != 1 else ''}, nothing submitted:" in res.output
     for m in messages:
@@ -198,7 +198,7 @@ def test_template_and_elements_rows_raw_and_clean_stored(cli, db, tmp_path):
 def test_template_errors(cli, tmp_path):
     f = write(tmp_path, "t.csv", "dish,store,camera\nramen,,dolly in\n")
     res = cli("submit", f, "--template", TEMPLATE)
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert "t.csv:2: store: '' is empty; --template needs a value for every column it names (dish, store, camera)" in res.output
     res = cli("submit", f, "--template", "{dish!r} here")
     assert "--template '{dish!r} here': field {dish} must be a plain column name like {dish}" in res.output
@@ -208,7 +208,7 @@ def test_prompts_check_prints_clean_table_and_submits_nothing(cli, db, tmp_path)
     before = snapshot(db)
     f = write(tmp_path, "c.csv", 'prompt,tier\n"推镜，红烧肉在砂锅里冒着热气",fast\nsushi,turbo\n')
     res = cli("prompts", "check", f, "--json")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     data = json.loads(res.output)
     assert [r["prompt"] for r in data["rows"]] == ["红烧肉在砂锅里冒着热气, dolly in"]
     assert data["errors"] == ["c.csv:3: tier: 'turbo' is not a tier; allowed: fast, quality"]
@@ -219,5 +219,5 @@ def test_existing_batch_name_is_refused(cli, tmp_path):
     f = write(tmp_path, "g.csv", GOOD)
     assert cli("submit", f, "--batch", "x").exit_code == 0
     res = cli("submit", f, "--batch", "x")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert "Error: --batch 'x': a batch with that name exists; choose another name" in res.output

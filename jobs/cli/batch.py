@@ -1,0 +1,406 @@
+"""Batch commands: run (embedded), submit, status and prompts check."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.markup import escape
+
+from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_JOB_FAILED, BadInput, SetupError, batch_options, default_device,
+                                      domain_errors, duration, err, open_db, out, print_table, qc_config_options,
+                                      redact_url, settings, submit_options, warn, warn_model)
+from clipmill.pipeline.models import TINY_MODELS, TINY_WARNING
+
+
+def _report(bf) -> None:
+    for w in bf.warnings:
+        warn(str(w))
+
+
+def _submit(path: str, opts, farm: bool = False):
+    from clipmill.jobs.core.batches import submit
+    from clipmill.jobs.core.prompts import BatchInvalid
+
+    db = open_db()
+    try:
+        with domain_errors():
+            res = submit(db, path, opts)
+    except BatchInvalid as e:
+        _report(e.batch)
+        raise BadInput(str(e))
+    _report(res.file)
+    if farm:
+        send_to_farm(db, res.job_ids)
+    if res.file.errors:
+        err.print(f"[yellow]skipped {len(res.file.bad_lines)} invalid row(s):[/]")
+        for p in res.file.errors:
+            err.print(f"  {p}", soft_wrap=True, markup=False)
+    err.print(f"batch [bold]{res.batch_id}[/]: {len(res.job_ids)} job(s) queued in {escape(redact_url(db.url))}",
+              soft_wrap=True)
+    return res
+
+
+def send_to_farm(db, job_ids: list[int]) -> None:
+    """In farm mode (CLIPMILL_BROKER_URL set), send the committed jobs to the render queue."""
+    url = settings().broker_url
+    if not url or not job_ids:
+        return
+    from clipmill.jobs.farm.dispatch import BrokerDown, send_render
+
+    try:
+        n = send_render(db, job_ids)
+        err.print(f"sent {n} job(s) to the render queue at {redact_url(url)}", soft_wrap=True, markup=False)
+    except BrokerDown as e:
+        warn(f"broker {redact_url(url)} unreachable ({e}); the jobs stay queued in the database: "
+             "run `clipmill reconcile` once it is back")
+
+
+@click.command()
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--resume", "resume", default=None, metavar="BATCH",
+              help="Finish an existing batch (after a crash or a submit) instead of reading FILE.")
+@click.option("--group-size", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="Compatible jobs rendered in one call.")
+@click.option("--device", default=None, help="torch device [default: cuda if available, else cpu].")
+@batch_options
+@submit_options
+@qc_config_options
+@click.option("--feature-cache/--no-feature-cache", default=False, envvar="CLIPMILL_FEATURE_CACHE", show_default=True,
+              help="Approximate step-feature caching (DeepCache on AnimateDiff, FirstBlockCache on Wan); see README.")
+@click.option("--guidance-mode", type=click.Choice(["cfg", "rcfg-self", "rcfg-onetime"]), default="cfg",
+              envvar="CLIPMILL_GUIDANCE_MODE", show_default=True, help="How guidance above 1.0 is computed.")
+@click.option("--decoder", type=click.Choice(["vae", "tiny"]), default="vae", envvar="CLIPMILL_DECODER", show_default=True,
+              help="tiny: the model folder's AutoencoderTiny (vae_tiny/), faster and rougher.")
+@click.option("--compile", "compile_how", type=click.Choice(["none", "torch", "tensorrt"]), default="none",
+              envvar="CLIPMILL_COMPILE", show_default=True, help="Compile the denoiser (GPU only).")
+def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_mode, decoder, compile_how):
+    """Submit FILE and render, post-process and QC it in this process.
+
+    Every option, the device, the model folder and the storage root are checked before the
+    job table changes; a bad row leaves it unchanged too. Exits 0 when every job ended passed
+    or rejected by QC, 1 when a job failed, 2 on bad input (nothing submitted), 3 when the
+    model, device or storage cannot be used (the run stops once; jobs stay queued).
+
+    \b
+    Example:
+      clipmill run examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+      clipmill run --resume ad-batch-20261129-210000
+    """
+    from clipmill.jobs.core.batches import batch_status, batch_summary
+    from clipmill.jobs.core.preflight import (check_device, check_group_size, check_model, check_storage,
+                                              check_submit_options)
+    from clipmill.jobs.runner.embedded import run_batch
+    from clipmill.jobs.runner.stages import WorkerContext
+    from clipmill.pipeline.guidance import effective_mode
+    from clipmill.pipeline.render import RenderOptions
+
+    if (file is None) == (resume is None):
+        raise click.UsageError("give FILE or --resume BATCH (one of them)")
+    with domain_errors():  # every check before the job table changes and before any render
+        check_group_size(group_size)
+        if resume is None:
+            check_submit_options(opts)
+            model, guidance, root, where = opts.model, opts.guidance, opts.out, "--out"
+        else:
+            info = batch_summary(open_db(), resume)
+            model, guidance, root, where = info["model"], info["guidance"], info["out"], f"batch {resume}'s storage"
+        try:
+            effective_mode(guidance_mode, guidance)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--guidance-mode")
+        device = check_device(device or default_device())
+        check_model(model, decoder)
+        check_storage(root, where)
+    if resume is None:
+        warn_model(opts)
+        batch_id = _submit(file, opts).batch_id
+    else:
+        batch_id = resume
+        if model in TINY_MODELS:
+            warn(TINY_WARNING.format(name=model))
+    db = open_db()
+    ctx = WorkerContext(db, device=device, qc_config=qc_cfg, guidance_mode=guidance_mode,
+                        render_options=RenderOptions(feature_cache=feature_cache, decoder=decoder, compile=compile_how))
+    t0 = time.perf_counter()
+    with _RunProgress(db, batch_id, group_size, device) as progress:
+        try:
+            with domain_errors():
+                run_batch(ctx, batch_id, group_size, progress)
+        except SetupError as e:
+            progress.stopped = True
+            raise SetupError(f"{e.message}; the run stopped and the batch's jobs stay queued "
+                             f"(`clipmill run --resume {batch_id}` continues it)")
+    wall = time.perf_counter() - t0
+    st = batch_status(db, batch_id)
+    _summary(st, wall)
+    if st["states"]["failed"]:
+        sys.exit(EXIT_JOB_FAILED)
+
+
+class _RunProgress:
+    """The embedded runner's events, shown as bars on a terminal and as one plain line per
+    group otherwise (a rich bar prints nothing useful into a pipe or a log file). Both count
+    jobs (done means passed, rejected, failed or cancelled) and name renders separately when QC
+    retries or render errors add some. The clock stops when the batch ends."""
+
+    def __init__(self, db, batch_id: str, group_size: int, device: str):
+        import threading
+
+        self.db, self.batch_id, self.group_size, self.device = db, batch_id, group_size, device
+        self.tty = err.is_terminal
+        self.lock = threading.Lock()
+        self.groups = 0
+        self.stopped = False
+        self.t0 = time.perf_counter()
+
+    def counts(self) -> dict:
+        from clipmill.jobs.core.batches import run_counts
+
+        return run_counts(self.db, self.batch_id)
+
+    @staticmethod
+    def renders(c: dict) -> str:
+        return f"{c['renders']} renders ({c['retries']} retries)" if c["retries"] else f"{c['renders']} renders"
+
+    def __enter__(self):
+        c = self.counts()
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.bar = Progress(TextColumn("{task.description:<10}"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[note]}"), TimeElapsedColumn(), console=err)
+            self.bar.start()
+            self.jobs_t = self.bar.add_task("jobs", total=c["jobs"], completed=c["done"], note=self.renders(c))
+            self.steps_t = self.bar.add_task("  steps", total=None, note="")
+        else:
+            err.print(f"batch {self.batch_id}: {c['done']}/{c['jobs']} jobs done; rendering groups of up to "
+                      f"{self.group_size} on {self.device}", soft_wrap=True, markup=False, highlight=False)
+        return self
+
+    def _update_jobs(self) -> dict:
+        c = self.counts()
+        if self.tty:
+            self.bar.update(self.jobs_t, total=c["jobs"], completed=c["done"], note=self.renders(c))
+        return c
+
+    def group_started(self, size, steps):
+        with self.lock:
+            self.groups += 1
+            if self.tty:
+                self.bar.update(self.steps_t, completed=0, total=steps, description=f"  group {self.groups}",
+                                note=f"{size} clip(s)")
+
+    def step(self, done, total):
+        if self.tty:
+            self.bar.update(self.steps_t, completed=done, total=total)
+
+    def rendered(self, n):
+        with self.lock:
+            c = self._update_jobs()
+            if not self.tty:
+                err.print(f"group {self.groups}: {n} clip(s) rendered; jobs done {c['done']}/{c['jobs']}, "
+                          f"{self.renders(c)}, {time.perf_counter() - self.t0:.1f} s", soft_wrap=True, markup=False,
+                          highlight=False)
+
+    def checked(self, verdict):
+        with self.lock:
+            if self.tty:
+                self._update_jobs()
+
+    def __exit__(self, *exc):
+        with self.lock:
+            c = self._update_jobs()
+            wall = time.perf_counter() - self.t0
+            if self.tty:
+                for t in self.bar.tasks:  # the clock stops with the batch
+                    self.bar.stop_task(t.id)
+                self.bar.refresh()
+                self.bar.stop()
+            else:
+                err.print(f"batch {self.batch_id}: jobs done {c['done']}/{c['jobs']}, {self.renders(c)}, "
+                          f"{wall:.1f} s" + (" (stopped)" if self.stopped or exc[0] else ""),
+                          soft_wrap=True, markup=False, highlight=False)
+
+
+def _summary(st: dict, wall: float) -> None:
+    from rich.table import Table
+
+    s = st["states"]
+    done = s["passed"] + s["rejected"] + s["failed"]
+    t = Table(title=f"batch {st['batch']}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("passed", f"[green]{s['passed']}[/]" + (f" ({st['passed_on_retry']} on a retry)" if st["passed_on_retry"] else ""))
+    t.add_row("rejected by QC", f"[yellow]{s['rejected']}[/]" + (f" (out of attempts: {st['max_attempts']} each)" if s["rejected"] else ""))
+    t.add_row("failed", f"[red]{s['failed']}[/]")
+    if s["queued"] + s["rendering"] + s["post"]:
+        t.add_row("still open", str(s["queued"] + s["rendering"] + s["post"]))
+    t.add_row("wall time", f"{wall:.1f} s")
+    t.add_row("seconds per clip", f"{wall / done:.2f}" if done else "-")
+    t.add_row("files", str(Path(st["out"]) / st["batch"]) if "://" not in st["out"] else f"{st['out']}/{st['batch']}")
+    print_table(t)
+    rejected = [r for r in st["rows"] if r["state"] in ("rejected", "failed")]
+    for r in rejected[:20]:
+        why = "; ".join(r["reasons"]) or (r["error"] or "")
+        out.print(f"  job {r['job']} (line {r['line']}) {r['state']}: {why}", soft_wrap=True, markup=False)
+
+
+@click.command("submit")
+@click.argument("file", type=click.Path(dir_okay=False))
+@batch_options
+@submit_options
+def submit_cmd(file, opts):
+    """Validate FILE and queue its jobs in the job table, rendering nothing.
+
+    All or nothing: a file with a bad row leaves the database unchanged, unless --skip-invalid.
+    The options, the model folder and the storage root (--out) are checked first.
+    With CLIPMILL_BROKER_URL set, the committed jobs are then sent to the farm's render queue
+    (if the broker is down they stay queued; `clipmill reconcile` sends them later); without it,
+    `clipmill run --resume BATCH` renders them here.
+
+    \b
+    Example:
+      clipmill submit examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}" --batch friday-ads --tier quality
+    """
+    from clipmill.jobs.core.preflight import check_storage, check_submit_options
+
+    with domain_errors():  # before the job table changes
+        check_submit_options(opts)
+        check_storage(opts.out)
+    warn_model(opts)
+    res = _submit(file, opts, farm=True)
+    out.print(res.batch_id)
+
+
+@click.command()
+@click.argument("batch", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--watch", type=click.FloatRange(0.5, 3600), default=None, metavar="SECONDS",
+              help="With BATCH: print progress and ETA every SECONDS until no job is open.")
+@click.option("--limit", type=click.IntRange(0), default=200, show_default=True,
+              help="With BATCH: jobs in the table (0: all); --json always lists every job.")
+def status(batch, as_json, watch, limit):
+    """Show batches, or one BATCH's jobs with their attempts, verdicts and files, its progress
+    and an ETA from its own pace so far.
+
+    \b
+    Example:
+      clipmill status
+      clipmill status ad-batch-20261129-210000 --json
+      clipmill status ad-batch-20261129-210000 --watch 10
+    """
+    from rich.table import Table
+
+    from clipmill.jobs.core.batches import SubmitError, batch_status, batch_summary, list_batches
+
+    db = open_db()
+    if watch is not None:
+        if batch is None:
+            raise click.UsageError("--watch needs a BATCH")
+        while True:
+            try:
+                st = batch_summary(db, batch)
+            except SubmitError as e:
+                raise BadInput(str(e))
+            p = st["progress"]
+            s = st["states"]
+            out.print(f"{batch}: {p['done']}/{st['jobs']} done (passed {s['passed']}, rejected {s['rejected']}, "
+                      f"failed {s['failed']}), {p['open']} open, elapsed {duration(p['elapsed_s'])}, "
+                      f"ETA {duration(p['eta_s'])}", soft_wrap=True)
+            if not p["open"]:
+                return
+            time.sleep(watch)
+    if batch is None:
+        rows = list_batches(db)
+        if as_json:
+            out.print_json(data=rows) if sys.stdout.isatty() else click.echo(json.dumps(rows))
+            return
+        t = Table("batch", "jobs", "queued", "running", "passed", "rejected", "failed", "approved", "declined",
+                  "cancelled", "created")
+        for r in rows:
+            s = r["states"]
+            t.add_row(escape(r["batch"]), str(r["jobs"]), str(s["queued"]), str(s["rendering"] + s["post"]),
+                      str(s["passed"]), str(s["rejected"]), str(s["failed"]), str(s["approved"]), str(s["declined"]),
+                      str(s["cancelled"]), r["created_at"][:19])
+        print_table(t)
+        return
+    try:
+        st = batch_status(db, batch, limit=None if as_json or not limit else limit)
+    except SubmitError as e:
+        raise BadInput(str(e))
+    if as_json:
+        click.echo(json.dumps(st, ensure_ascii=False))
+        return
+    t = Table("job", "id", "line", "state", "tries", "tier", "seed", "verdict / reasons", "clip", title=f"batch {batch}")
+    for r in st["rows"]:
+        why = r["verdict"] or ""
+        if r["reasons"]:
+            why += ": " + "; ".join(r["reasons"])
+        elif r["error"]:
+            why = r["error"]
+        if r["passed_on_retry"]:
+            why = f"passed on retry {len(r['attempts'])} (" + "; ".join(
+                f"a{a['number']} {a['tier']} {a['verdict'] or a['state']}" for a in r["attempts"]) + ")"
+        elif r["out_of_attempts"]:
+            why = f"out of attempts ({len(r['attempts']) - r['attempts_lost']}/{st['max_attempts']}): " + why
+        last = r["attempts"][-1] if r["attempts"] else None
+        t.add_row(str(r["job"]), r["id"] or "", str(r["line"]), r["state"], str(len(r["attempts"])),
+                  last["tier"] if last else r["tier"], str(last["seed"] if last else r["seed"]), escape(why),
+                  escape(r["location"] or ""))
+    print_table(t)
+    if len(st["rows"]) < st["jobs"]:
+        out.print(f"{st['jobs'] - len(st['rows'])} more job(s) not shown (--limit 0 shows all)")
+    s = st["states"]
+    out.print(" ".join(f"{k}={v}" for k, v in s.items() if v)
+              + f"; passed on a retry: {st['passed_on_retry']}; out of attempts: {st['out_of_attempts']}")
+    p = st["progress"]
+    out.print(f"progress: {p['done']}/{st['jobs']} done, {p['open']} open, elapsed {duration(p['elapsed_s'])}, "
+              f"ETA {duration(p['eta_s'])}")
+
+
+@click.group()
+def prompts():
+    """Work with prompt batch files without submitting them."""
+
+
+@prompts.command("check")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the cleaned rows and problems as JSON.")
+@batch_options
+def prompts_check(file, as_json, opts):
+    """Print FILE's cleaned prompts and every problem; submit nothing.
+
+    Exits 2 if any row is invalid.
+
+    \b
+    Example:
+      clipmill prompts check examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+    """
+    from rich.table import Table
+
+    from clipmill.jobs.core.batches import check_file
+
+    with domain_errors():
+        _, bf = check_file(file, opts)
+    if as_json:
+        click.echo(json.dumps({
+            "rows": [r.__dict__ for r in bf.rows],
+            "errors": [str(p) for p in bf.errors],
+            "warnings": [str(p) for p in bf.warnings],
+        }, ensure_ascii=False))
+    else:
+        t = Table("line", "id", "tier", "frames", "fps", "size", "seed", "tokens", "cleaned prompt", title=file)
+        for r in bf.rows:
+            t.add_row(str(r.line), r.client_id or "", r.tier, str(r.frames), str(r.fps), f"{r.width}x{r.height}",
+                      str(r.seed), str(r.tokens), r.prompt)
+        out.print(t)
+        _report(bf)
+        for p in bf.errors:
+            err.print(f"[red]error:[/] {escape(str(p))}", soft_wrap=True)
+        err.print(f"{len(bf.rows)} valid row(s), {len(bf.errors)} error(s), {len(bf.warnings)} warning(s)")
+    if bf.errors:
+        sys.exit(EXIT_BAD_INPUT)

@@ -1,0 +1,91 @@
+"""The speed ladder: clipmill bench."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import click
+
+from clipmill.jobs.cli.common import BadInput, default_device, domain_errors, err, out
+from clipmill.pipeline.models import TINY, ModelError
+
+
+@click.command("bench")
+@click.option("--model", default=TINY, show_default=True, help="'tiny', 'tiny-wan' or a local diffusers model folder.")
+@click.option("--arch", type=click.Choice(["sd15"]), default=None,
+              help="Instead of --model: build this full-size architecture with random weights (GPU figures "
+                   "without a download; about 38 s per UNet call on a 2-core CPU).")
+@click.option("--size", default=None, help="WIDTHxHEIGHT or N [default: 128 for tiny models, else the model's default size, 512 for --arch sd15].")
+@click.option("--frames", type=int, default=None, help="Frames per clip [default: the model's].")
+@click.option("--guidance", type=float, default=1.0, show_default=True,
+              help="Guidance of rows 1-7 (1.0: off, as distilled models run; row 0 always uses CFG, 7.5, or 5.0 on Wan).")
+@click.option("--clips", type=click.IntRange(4, 16), default=4, show_default=True, help="Clips per row (row 0 renders one).")
+@click.option("--repeat", type=click.IntRange(1, 10), default=3, show_default=True,
+              help="Rounds over all rows, interleaved; each row reports its fastest round (and all of them).")
+@click.option("--compile", "compile_how", type=click.Choice(["torch", "tensorrt"]), default="torch", show_default=True,
+              help="What row 7 compiles with (GPU only; elsewhere row 7 says why and runs uncompiled).")
+@click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
+def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, as_json):
+    """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
+
+    Every row is measured side by side in this one run: seconds per clip (render and end to
+    end, with interpolation, H.264 and QC), speed-up over row 0, PSNR against the row it adds a
+    layer to, peak memory, and the denoiser evaluations, K/V projections and blocks each row did
+    or skipped. Absolute seconds mean something only on a GPU; on a CPU read the ratios.
+
+    \b
+    Example:
+      clipmill bench --model tiny --json
+      clipmill bench --arch sd15 --device cuda --size 512 --frames 16
+    """
+    from rich.table import Table
+
+    from clipmill.jobs.bench.ladder import bench
+    from clipmill.jobs.core.prompts import parse_size
+    from clipmill.pipeline.models import arch_path, model_info
+
+    from clipmill.jobs.core.preflight import check_device
+
+    with domain_errors():  # before building a full-size architecture
+        device = check_device(device or default_device())
+    try:
+        info = model_info(str(arch_path(arch)) if arch else model)
+        if arch:
+            info = replace(info, name=f"arch:{arch}")
+        size_t = (128, 128) if size is None and info.is_tiny else info.default_size
+        if size is not None:
+            size_t, msg = parse_size(size, info)
+            if msg:
+                raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
+        n_frames = frames or info.default_frames
+        if msg := info.check_frames(n_frames):
+            raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
+        result = bench(info, size_t, n_frames, guidance, device, compile_how, clips, repeat,
+                       progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")))
+    except (ModelError, ValueError) as e:
+        raise BadInput(str(e))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    t = Table("row", "what", "evals/clip", "render s/clip", "end-to-end s/clip", "speed-up", "e2e speed-up",
+              "PSNR vs twin", "peak MiB", "skipped", title=f"{result['model']} ({result['family']}), {result['size'][0]}x"
+              f"{result['size'][1]}, {result['frames']} frames, {result['device']}")
+    for r in result["rows"]:
+        w = r["work"]
+        skipped = ", ".join(f"{k} {v}" for k, v in w.items() if k in ("kv_rows_avoided", "blocks_skipped", "cached_steps") and v)
+        p = "" if r["twin"] is None else ("identical" if r["psnr_vs_twin_db"] is None else f"{r['psnr_vs_twin_db']} dB")
+        t.add_row(r["row"], r["name"] + (f" [dim]({r['note']})[/]" if r["note"] else ""), f"{r['denoiser_evaluations_per_clip']:g}",
+                  f"{r['render_s_per_clip']:.3f}", f"{r['end_to_end_s_per_clip']:.3f}", f"{r['speedup_render']:.1f}x",
+                  f"{r['speedup_end_to_end']:.1f}x", p, f"{r['peak_memory_mib']:.0f}", skipped)
+    out.print(t)
+    out.print(f"best: row {result['best_row']}, {result['best_speedup_render']}x render, "
+              f"{result['best_speedup_end_to_end']}x end to end ({result['seconds']} s in all)")
+    for g in result["guidance_modes"]:
+        p = "reference" if g["psnr_vs_cfg_db"] is None and g["mode"] == "cfg" else f"{g['psnr_vs_cfg_db']} dB vs CFG"
+        out.print(f"guidance {g['mode']} {g['guidance']:g}: {g['render_s_per_clip']:.3f} s/clip, "
+                  f"{g['denoiser_evaluations_per_clip']:g} evals/clip, {p}")
+    for d in result["decoders"]:
+        out.print(f"decoder {d['decoder']}: {d['decode_s_per_clip']:.3f} s/clip"
+                  + ("" if d["psnr_vs_vae_db"] is None else f", {d['psnr_vs_vae_db']} dB vs the VAE"))

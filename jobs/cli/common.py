@@ -1,0 +1,230 @@
+"""What the command modules share: consoles, exit codes, option groups, opening the database.
+
+Only click, rich and light modules are imported here: ``clipmill --help`` must not load torch,
+SQLAlchemy or OpenCV. The Python API each command calls is imported in the command's body,
+because it brings those heavy libraries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import click
+from rich.console import Console
+from rich.markup import escape
+
+from clipmill.pipeline.models import TINY, TINY_MODELS, TINY_WARNING, ModelError
+from clipmill.pipeline.choices import SAMPLERS, TIERS
+
+err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+
+# Exit codes, the same for every command (README "Exit codes").
+EXIT_OK = 0  # the work ended: every job passed or was rejected by QC
+EXIT_JOB_FAILED = 1  # at least one job failed, or `export` found nothing approved
+EXIT_BAD_INPUT = 2  # usage or bad input: nothing was done, the job table is unchanged
+EXIT_SETUP = 3  # setup: model, device, storage or broker unusable; jobs stay queued
+
+
+class BadInput(click.ClickException):
+    """A bad option value, file or row: exit 2, nothing changed."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class SetupError(click.ClickException):
+    """The model, device, storage or broker cannot be used: exit 3, jobs stay queued."""
+
+    exit_code = EXIT_SETUP
+
+
+@contextlib.contextmanager
+def domain_errors():
+    """Turn the Python API's errors into one-line CLI errors with their exit codes: a bad option,
+    file or row is bad input (2); a model, device or storage that cannot be used is setup (3).
+    Anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except click.ClickException:
+        raise
+    except Exception as e:
+        from clipmill.jobs.core.preflight import BadOption, SetupProblem
+        from clipmill.storage import StorageError, StorageUnavailable
+
+        if isinstance(e, (SetupProblem, StorageUnavailable)):
+            raise SetupError(str(e)) from None
+        if isinstance(e, (BadOption, ModelError)):
+            raise BadInput(str(e)) from None
+        if isinstance(e, StorageError):
+            raise SetupError(str(e)) from None
+        if type(e).__module__.startswith(("botocore", "boto3")):
+            from clipmill.storage.s3 import describe_error
+
+            raise SetupError(describe_error(e)) from None
+        raise
+
+
+def settings():
+    """The environment's settings (clipmill.jobs.core.settings); a bad value is bad input."""
+    from clipmill.jobs.core.settings import Settings, SettingsError
+
+    try:
+        return Settings.from_env()
+    except SettingsError as e:
+        raise BadInput(str(e))
+
+
+def open_db():
+    from clipmill.jobs.core.db import Database
+
+    return Database(settings().database_url)
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+def batch_options(fn):
+    """Options shared by run, submit and prompts check."""
+
+    @click.option("--model", default=TINY, show_default=True, envvar="CLIPMILL_MODEL",
+                  help="'tiny' or 'tiny-wan' (random weights, smoke runs only), or a local diffusers AnimateDiff or Wan folder.")
+    @click.option("--template", default=None,
+                  help='Build each prompt from columns, e.g. "{dish} on a table in {store}, {camera}".')
+    @click.option("--truncate", is_flag=True, help="Cut prompts longer than the tokenizer's limit instead of refusing them.")
+    @click.option("--tier", type=click.Choice(list(TIERS)), default="fast", show_default=True,
+                  help="Tier for rows without a tier column: fast = 6 steps, quality = 8 steps.")
+    @click.option("--frames", type=int, default=None,
+                  help="Frames to render, for rows without frames [default: the model's, 16 for AnimateDiff, 17 for Wan].")
+    @click.option("--fps", type=int, default=30, show_default=True, help="Output frame rate, for rows without fps.")
+    @click.option("--size", default=None, help="WIDTHxHEIGHT for rows without size [default: the model's].")
+    @functools.wraps(fn)
+    def wrapper(*args, model, template, truncate, tier, frames, fps, size, **kwargs):
+        from clipmill.jobs.core.batches import SubmitOptions
+        from clipmill.jobs.core.prompts import Defaults, parse_size
+        from clipmill.pipeline.models import model_info
+
+        opts = SubmitOptions(model=model, template=template, truncate=truncate)
+        size_t = None
+        if size is not None or frames is not None:
+            try:
+                info = model_info(model)
+            except ModelError as e:
+                raise BadInput(str(e))
+            if size is not None:
+                size_t, msg = parse_size(size, info)
+                if msg:
+                    raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
+            if frames is not None and (msg := info.check_frames(frames)):
+                raise click.BadParameter(f"{frames}: {msg}", param_hint="--frames")
+        opts.defaults = Defaults(tier=tier, frames=frames, fps=fps, size=size_t)
+        return fn(*args, opts=opts, **kwargs)
+
+    return wrapper
+
+
+def submit_options(fn):
+    """Options that only matter once jobs are written."""
+
+    @click.option("--out", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT",
+                  help="Storage root: clips go under OUT/BATCH/JOB/.")
+    @click.option("--batch", "batch_name", default=None, help="Batch name [default: FILE's stem and the time].")
+    @click.option("--skip-invalid", is_flag=True, help="Submit the valid rows and list the invalid ones (default: all or nothing).")
+    @click.option("--sampler", type=click.Choice(SAMPLERS), default=None,
+                  help="lightning (Euler, trailing) or lcm [default: what the model folder's scheduler is].")
+    @click.option("--guidance", type=float, default=1.0, show_default=True, help="CFG scale; 1.0 turns guidance off (distilled models).")
+    @click.option("--max-attempts", type=int, default=2, show_default=True, help="Render tries per job before it fails.")
+    @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first.")
+    @functools.wraps(fn)
+    def wrapper(*args, opts, out, batch_name, skip_invalid, sampler, guidance, max_attempts, priority, **kw):
+        opts.out, opts.batch, opts.skip_invalid = out, batch_name, skip_invalid
+        opts.sampler, opts.guidance, opts.max_attempts, opts.priority = sampler, guidance, max_attempts, priority
+        return fn(*args, opts=opts, **kw)
+
+    return wrapper
+
+
+def qc_config_options(fn):
+    """--qc-config FILE and --set KEY=VALUE, turned into a qc.QCConfig."""
+
+    @click.option("--qc-config", "qc_config", type=click.Path(dir_okay=False), default=None,
+                  envvar="CLIPMILL_QC_CONFIG", help="TOML file of QC thresholds (keys of qc.QCConfig).")
+    @click.option("--set", "qc_set", multiple=True, metavar="KEY=VALUE", help="Override one QC threshold; repeatable.")
+    @functools.wraps(fn)
+    def wrapper(*args, qc_config, qc_set, **kw):
+        from clipmill.qc import QCConfig
+
+        overrides = {}
+        for item in qc_set:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+            overrides[key.strip()] = value.strip()
+        try:
+            cfg = QCConfig.load(qc_config, overrides)
+        except ValueError as e:
+            raise BadInput(str(e))
+        return fn(*args, qc_cfg=cfg, **kw)
+
+    return wrapper
+
+
+def warn_model(opts) -> None:
+    if opts.model in TINY_MODELS:
+        warn(TINY_WARNING.format(name=opts.model))
+    if opts.guidance > 6.0:
+        warn(f"--guidance {opts.guidance:g}: distilled few-step models over-expose (blown-out, saturated frames) "
+             "above about 6; they are made for 1.0-2.0")
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def redact_url(url: str) -> str:
+    """A database or broker URL with its password replaced by ***, for printing and logs."""
+    from clipmill.jobs.core.settings import redact_url as redact
+
+    return redact(url)
+
+
+def print_table(table, console=None) -> None:
+    """A rich Table on a terminal; when the output is piped or redirected, the same rows as
+    plain aligned text that is never truncated (a table squeezed to 160 columns cuts paths)."""
+    console = console or out
+    if console.is_terminal:
+        console.print(table)
+        return
+    headers = [str(c.header) for c in table.columns]
+    cols = [[str(cell) for cell in c.cells] for c in table.columns]
+    rows = [list(r) for r in zip(*cols)] if cols else []
+    from rich.text import Text
+
+    def plain(v: str) -> str:
+        if "[" not in v:
+            return v
+        try:
+            return Text.from_markup(v).plain
+        except Exception:  # noqa: BLE001 - not markup after all (a path with brackets)
+            return v
+
+    rows = [[plain(v) for v in r] for r in rows]
+    show_header = table.show_header and any(headers)
+    widths = [max([len(h) if show_header else 0] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    if table.title:
+        console.out(str(table.title), highlight=False)
+    lines = ([headers] if show_header else []) + rows
+    for r in lines:
+        console.out("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip(), highlight=False)

@@ -1,0 +1,83 @@
+"""Review and delivery commands: review (the web page) and export."""
+
+from __future__ import annotations
+
+import click
+
+from clipmill.jobs.cli.common import EXIT_JOB_FAILED, BadInput, domain_errors, err, open_db, out
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@click.command()
+@click.argument("batch", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs a token.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--token", envvar="CLIPMILL_REVIEW_TOKEN", default=None,
+              help="Require this token (open /?token=TOKEN once, or send 'Authorization: Bearer TOKEN').")
+def review(batch, host, port, token):
+    """Serve the review page: play QC survivors, approve (a) or decline (d), move with j/k.
+
+    Rejected clips can be shown with their reasons and contact sheets, and approved as an
+    override; every decision is recorded. Two operators never overwrite each other silently.
+
+    \b
+    Example:
+      clipmill review ad-batch-20261129-210000
+      clipmill review --host 0.0.0.0 --port 8080 --token "$(openssl rand -hex 16)"
+    """
+    from clipmill.jobs.core.batches import SubmitError, batch_summary
+    from clipmill.jobs.review.web import serve
+
+    if host not in LOOPBACK and not token:
+        raise BadInput(f"--host {host}: binding beyond this machine needs --token (or CLIPMILL_REVIEW_TOKEN)")
+    if token is not None and len(token) < 12:
+        raise BadInput("--token: use at least 12 characters")
+    db = open_db()
+    if batch is not None:
+        try:
+            batch_summary(db, batch)
+        except SubmitError as e:
+            raise BadInput(str(e))
+    where = f"http://{host}:{port}/" + (f"batch/{batch}" if batch else "")
+    err.print(f"review at {where}" + (" (token required)" if token else ""), soft_wrap=True)
+    serve(db, host, port, token, batch)
+
+
+@click.command()
+@click.argument("batch")
+@click.option("--to", "dest", required=True, metavar="DIR|s3://BUCKET/PREFIX", help="Where to deliver.")
+def export(batch, dest):
+    """Deliver BATCH's approved clips to a folder or S3 prefix, with manifest.csv and manifest.json.
+
+    Files already there with the same bytes are not copied again, so a rerun copies nothing
+    twice and an interrupted export resumes. The destination is checked first (a folder is
+    created and written, an S3 bucket must be reachable with the credentials in use). A batch
+    with no approved clip delivers nothing, says so and exits 1.
+
+    \b
+    Example:
+      clipmill export ad-batch-20261129-210000 --to delivery/
+      clipmill export ad-batch-20261129-210000 --to s3://ads-bucket/approved
+    """
+    from clipmill.jobs.core.preflight import check_storage
+    from clipmill.jobs.review.export import ExportError, approved_count, export_batch
+
+    db = open_db()
+    with domain_errors():
+        try:
+            n = approved_count(db, batch)
+        except ExportError as e:
+            raise BadInput(str(e))
+        check_storage(dest, "--to")
+        if n == 0:
+            err.print(f"batch {batch}: no approved clips, nothing exported; approve clips on the review page "
+                      f"(clipmill review {batch}) first", soft_wrap=True, markup=False, highlight=False)
+            raise SystemExit(EXIT_JOB_FAILED)
+        try:
+            res = export_batch(db, batch, dest)
+        except ExportError as e:
+            raise BadInput(str(e))
+    out.print(f"{len(res.rows)} approved clip(s): {len(res.copied)} copied, {len(res.skipped)} already there")
+    for m in res.manifest:
+        out.print(f"manifest: {m}", soft_wrap=True, markup=False)

@@ -1,0 +1,149 @@
+"""The job table: batches, jobs and attempts (SQLAlchemy 2 typed ORM)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(80), primary_key=True)
+    source: Mapped[str] = mapped_column(Text)  # the file it came from
+    model: Mapped[str] = mapped_column(Text)  # 'tiny' or a model folder
+    sampler: Mapped[str] = mapped_column(String(20))
+    guidance: Mapped[float] = mapped_column(Float, default=1.0)
+    out: Mapped[str] = mapped_column(Text)  # storage root
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer, default=2)  # attempts that render or QC can use up
+    # attempts lost with their worker (killed, lease expired) do not count against max_attempts;
+    # a job that loses this many is failed (a poison job that kills its worker)
+    max_lost: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
+    template: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    jobs: Mapped[list[Job]] = relationship(back_populates="batch", order_by="Job.id")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "client_id", name="uq_jobs_batch_client"),
+        Index("ix_jobs_batch_state", "batch_id", "state"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    line: Mapped[int] = mapped_column(Integer)  # line in the source file
+    client_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    prompt_raw: Mapped[str] = mapped_column(Text)
+    prompt: Mapped[str] = mapped_column(Text)  # cleaned
+    negative_prompt: Mapped[str] = mapped_column(Text, default="")
+    elements: Mapped[dict] = mapped_column(JSON, default=dict)  # subject/action/scene/camera
+    seed: Mapped[int] = mapped_column(BigInteger)
+    tier: Mapped[str] = mapped_column(String(16))  # the tier its next attempt renders at
+    tier_requested: Mapped[str | None] = mapped_column(String(16), nullable=True)  # what the batch file asked for
+    frames: Mapped[int] = mapped_column(Integer)
+    fps: Mapped[int] = mapped_column(Integer)
+    width: Mapped[int] = mapped_column(Integer)
+    height: Mapped[int] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    version: Mapped[int] = mapped_column(Integer, default=0)  # bumped by every move
+    attempts_made: Mapped[int] = mapped_column(Integer, default=0)  # every claim: attempts are numbered by it
+    attempts_lost: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # of those, lost with their worker
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # farm: sent to the broker
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
+
+    batch: Mapped[Batch] = relationship(back_populates="jobs")
+    attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number")
+
+
+# the claim order: queued jobs by priority, highest first, then oldest first (the DESC lets
+# PostgreSQL walk the index and stop at the first unlocked row instead of sorting every queued job)
+Index("ix_jobs_state_priority_desc", Job.state, Job.priority.desc(), Job.id)
+
+
+class Attempt(Base):
+    """One render try of a job, and what became of it."""
+
+    __tablename__ = "attempts"
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        Index("ix_attempts_state", "state"),  # open attempts (rendering, rendered) among many final ones
+        Index("ix_attempts_started_at", "started_at"),  # the nightly run's groups since it started
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)  # 1, 2, ...
+    state: Mapped[str] = mapped_column(String(16), default="rendering")
+    tier: Mapped[str] = mapped_column(String(16))
+    steps: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    model: Mapped[str] = mapped_column(Text)
+    sampler: Mapped[str] = mapped_column(String(20))
+    guidance: Mapped[float] = mapped_column(Float)
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    group_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    timings: Mapped[dict] = mapped_column(JSON, default=dict)
+    qc_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    verdict: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    reasons: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    raw_key: Mapped[str | None] = mapped_column(Text, nullable=True)  # rendered frames, until post
+    clip_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+    poster_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+    sidecar_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+    location: Mapped[str | None] = mapped_column(Text, nullable=True)  # the clip's path or URL
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+    job: Mapped[Job] = relationship(back_populates="attempts")
+
+
+# what one attempt may write, under ``{batch}/{job}/a{n}``: raw frames (render, until post),
+# then the clip, poster, sidecar and contact sheet (post)
+ATTEMPT_SUFFIXES = (".frames.npy", ".mp4", ".jpg", ".json", ".sheet.png")
+
+
+def attempt_key(job: Job, attempt: Attempt, suffix: str) -> str:
+    """The storage key of one of an attempt's files, e.g. ``BATCH/JOB/a2.mp4``."""
+    return f"{job.batch_id}/{job.id}/a{attempt.number}{suffix}"
+
+
+def attempt_keys(job: Job, attempt: Attempt) -> list[str]:
+    """Every storage key an attempt may have written (see ATTEMPT_SUFFIXES)."""
+    return [attempt_key(job, attempt, suffix) for suffix in ATTEMPT_SUFFIXES]
+
+
+class Decision(Base):
+    """An operator's decision on a job; every one is kept, overrides of QC included."""
+
+    __tablename__ = "decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    attempt_id: Mapped[int | None] = mapped_column(ForeignKey("attempts.id", ondelete="SET NULL"), nullable=True)
+    decision: Mapped[str] = mapped_column(String(16))  # approved | declined
+    from_state: Mapped[str] = mapped_column(String(16))
+    override: Mapped[bool] = mapped_column(default=False)  # True when it overrules QC's reject
+    note: Mapped[str] = mapped_column(Text, default="")
+    operator: Mapped[str] = mapped_column(String(120))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -1,0 +1,194 @@
+"""Checks that run before any work: option ranges, the device, the model folder and the
+storage root. ``clipmill run`` and ``submit`` call them before the job table changes and
+before the first render.
+
+Two kinds of error, kept apart from a job's own failure (a render error, a QC reject):
+
+- ``BadOption``: a value given cannot be used (``--fps 0``, ``--device foo``). Bad input.
+- ``SetupProblem``: this machine cannot do the work as asked (no CUDA, a model folder whose
+  configs do not load, storage that cannot be written, no cloud credentials). The run stops
+  once, and jobs stay queued.
+
+Each message is one line naming the option, its value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from clipmill.jobs.core.prompts import MAX_FPS, MIN_FPS, Defaults, parse_size
+from clipmill.pipeline.choices import SAMPLERS
+from clipmill.pipeline.models import ModelError, ModelInfo, model_info, resolve
+from clipmill.storage import StorageError, StorageUnavailable, open_storage
+
+MIN_GUIDANCE, MAX_GUIDANCE = 1.0, 30.0
+MIN_ATTEMPTS, MAX_ATTEMPTS = 1, 10
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+MIN_GROUP, MAX_GROUP = 1, 16
+BATCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
+DEVICE_RE = re.compile(r"(cpu|cuda|mps)(?::(\d+))?")
+
+
+class BadOption(ValueError):
+    """An option value that cannot be used: bad input."""
+
+
+class SetupProblem(RuntimeError):
+    """The model, device or storage cannot be used on this machine: stop the run, keep the jobs queued."""
+
+
+def check_submit_options(opts) -> None:
+    """The ranges of ``SubmitOptions`` that need no model: fps, guidance, attempts, priority,
+    sampler and batch name."""
+    d = opts.defaults
+    if isinstance(d.fps, bool) or not isinstance(d.fps, int) or not MIN_FPS <= d.fps <= MAX_FPS:
+        raise BadOption(f"--fps {d.fps}: out of range; allowed: an integer from {MIN_FPS} to {MAX_FPS}")
+    if not MIN_GUIDANCE <= opts.guidance <= MAX_GUIDANCE:  # also refuses nan
+        raise BadOption(f"--guidance {opts.guidance:g}: out of range; allowed: {MIN_GUIDANCE:g} (off) to {MAX_GUIDANCE:g}")
+    if not MIN_ATTEMPTS <= opts.max_attempts <= MAX_ATTEMPTS:
+        raise BadOption(f"--max-attempts {opts.max_attempts}: out of range; allowed: {MIN_ATTEMPTS} to {MAX_ATTEMPTS}")
+    if not MIN_PRIORITY <= opts.priority <= MAX_PRIORITY:
+        raise BadOption(f"--priority {opts.priority}: out of range; allowed: an integer from {MIN_PRIORITY} to "
+                        f"{MAX_PRIORITY} (higher goes first)")
+    if opts.sampler is not None and opts.sampler not in SAMPLERS:
+        raise BadOption(f"--sampler {opts.sampler!r}: not known; allowed: {', '.join(SAMPLERS)}")
+    if opts.batch is not None and not BATCH_RE.match(opts.batch):
+        raise BadOption(f"--batch {opts.batch!r}: not a valid name; allowed: 1-80 letters, digits, '.', '_' or '-'")
+
+
+def check_defaults(defaults: Defaults, info: ModelInfo) -> None:
+    """``--frames`` and ``--size`` against what the model takes."""
+    if defaults.frames is not None and (msg := info.check_frames(defaults.frames)):
+        raise BadOption(f"--frames {defaults.frames}: {msg}")
+    if defaults.size is not None and (msg := info.check_size(*defaults.size)):
+        raise BadOption(f"--size {defaults.size[0]}x{defaults.size[1]}: {msg}")
+
+
+def parse_size_option(value: str, info: ModelInfo) -> tuple[int, int]:
+    size, msg = parse_size(value, info)
+    if msg:
+        raise BadOption(f"--size {value!r}: {msg}")
+    return size
+
+
+def check_group_size(n: int) -> None:
+    if not MIN_GROUP <= n <= MAX_GROUP:
+        raise BadOption(f"--group-size {n}: out of range; allowed: {MIN_GROUP} to {MAX_GROUP}")
+
+
+def available_devices() -> list[str]:
+    """The torch devices this machine has: cpu, then cuda and cuda:N per GPU, then mps."""
+    import torch
+
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        devices += ["cuda"] + [f"cuda:{i}" for i in range(n)]
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def check_device(device: str, option: str = "--device") -> str:
+    """``device`` if this machine has it. Not a device name: BadOption; a device this machine
+    lacks (``cuda`` without CUDA, ``cuda:7`` with one GPU): SetupProblem."""
+    m = DEVICE_RE.fullmatch(device.strip())
+    if not m:
+        raise BadOption(f"{option} {device!r}: not a device; allowed: cpu, cuda, cuda:N, mps")
+    have = available_devices()
+    name = m.group(0)
+    if name in have or (m.group(1) == "cpu" and m.group(2) in (None, "0")):
+        return name
+    import torch
+
+    if m.group(1) == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support" if torch.version.cuda is None
+               else "no CUDA device is visible (driver, CUDA_VISIBLE_DEVICES)")
+    elif m.group(1) == "cuda":
+        why = f"this machine has {torch.cuda.device_count()} CUDA device(s)"
+    else:
+        why = f"this machine has no {m.group(1)} device"
+    raise SetupProblem(f"{option} {device}: {why}; allowed here: {', '.join(have)}")
+
+
+# the file each diffusers component keeps its config in
+_CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json",
+                 "tokenizer_2": "tokenizer_config.json", "feature_extractor": "preprocessor_config.json"}
+
+
+def check_model(model: str, decoder: str = "vae") -> ModelInfo:
+    """What ``model`` takes, once its folder's configs are known to load.
+
+    A name or folder that is not a model (ModelError) is bad input; a diffusers folder whose
+    component configs are missing or unreadable, or a ``--decoder tiny`` the folder has no
+    ``vae_tiny/`` for, is a setup problem.
+    """
+    try:
+        resolve(model)  # a name or folder that is not a model: bad input
+    except ModelError as e:
+        raise BadOption(str(e))
+    try:
+        info = model_info(model)
+    except ModelError as e:  # a model folder whose configs do not load: setup
+        msg = str(e)
+        raise SetupProblem(msg if msg.startswith("--model") else f"--model {model}: {msg}")
+    try:
+        index = json.loads((info.path / "model_index.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SetupProblem(f"--model {model}: {info.path / 'model_index.json'} does not load ({e})")
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or spec[1] is None:
+            continue
+        cfg = info.path / name / _CONFIG_FILES.get(name, "config.json")
+        if name.startswith("tokenizer") and not cfg.exists() and (info.path / name).is_dir():
+            continue  # some tokenizers keep only their vocabulary files
+        try:
+            data = json.loads(cfg.read_text())
+        except FileNotFoundError:
+            raise SetupProblem(f"--model {model}: {cfg} is missing; model_index.json names a {spec[1]} there "
+                               "(save the pipeline again with save_pretrained)")
+        except (OSError, ValueError) as e:
+            raise SetupProblem(f"--model {model}: {cfg} does not load ({e.__class__.__name__}: {e})")
+        if not isinstance(data, dict):
+            raise SetupProblem(f"--model {model}: {cfg} is not a JSON object")
+    if decoder == "tiny" and not info.has_tiny_vae:
+        raise SetupProblem(f"--decoder tiny: {info.path / 'vae_tiny'} is missing; the model folder has no "
+                           "AutoencoderTiny; allowed here: --decoder vae")
+    return info
+
+
+def check_storage(url: str, option: str = "--out") -> None:
+    """The storage root can be written: a local folder (created if missing; a probe file is
+    written and deleted) or an S3 prefix (the bucket is reachable with the credentials in use,
+    and a probe object is written and deleted). An unsupported URL is bad input; storage that
+    cannot be written is a setup problem."""
+    try:
+        storage = open_storage(url)
+    except StorageUnavailable as e:
+        raise SetupProblem(f"{option} {url}: {e}")
+    except StorageError as e:
+        raise BadOption(f"{option} {url}: {str(e).removeprefix(repr(url) + ': ')}")
+    try:
+        storage.check_writable()
+    except StorageUnavailable as e:
+        raise SetupProblem(f"{option} {url}: {e}")
+
+
+def check_input_file(path: str | os.PathLike, what: str = "") -> Path:
+    """A file that exists, is a file and can be read; else BadOption naming it and why."""
+    p = Path(path)
+    label = f"{what} {path}" if what else str(path)
+    if not p.exists():
+        raise BadOption(f"{label}: no such file")
+    if p.is_dir():
+        raise BadOption(f"{label}: is a folder; give a file")
+    try:
+        with open(p, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        raise BadOption(f"{label}: cannot be read ({e.strerror or e})")
+    return p

@@ -1,0 +1,283 @@
+"""Claiming work from the job table: groups of compatible jobs, leases and their heartbeat,
+and taking back jobs whose worker is gone. Every claim is a compare-and-set move, so a job goes
+to one worker.
+
+Attempts are counted two ways. ``Job.attempts_made`` counts every claim (attempts are numbered
+by it). Of those, ``Job.attempts_lost`` were lost with their worker (killed, or its lease
+expired): they do not count against the batch's ``max_attempts``, which render errors and QC
+retries use up, so a crash never costs a job its QC retry at the quality tier. A job that loses
+``Batch.max_lost`` attempts (default 3; a poison job that kills its worker) ends failed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import exists, select, update
+
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Batch, Job
+from clipmill.jobs.core.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
+from clipmill.pipeline.choices import TIERS
+
+DEFAULT_LEASE_S = 900
+
+log = logging.getLogger("clipmill.queue")
+
+
+def worker_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(frozen=True)
+class Claimed:
+    job_id: int
+    attempt_id: int
+    steps: int
+
+
+def attempts_used(job: Job) -> int:
+    """The attempts that count against the batch's ``max_attempts``: every claim but those lost
+    with their worker."""
+    return job.attempts_made - (job.attempts_lost or 0)
+
+
+def attempts_left(job: Job, batch: Batch) -> bool:
+    """True while render errors and QC retries have not used up the batch's ``max_attempts``."""
+    return attempts_used(job) < batch.max_attempts
+
+
+def _for_update(stmt, session, skip_locked: bool = True):
+    if session.bind.dialect.name == "postgresql":
+        return stmt.with_for_update(skip_locked=skip_locked, of=Job)
+    return stmt  # SQLite: BEGIN IMMEDIATE already serialises writers
+
+
+def attempt_seed(job_seed: int, number: int) -> int:
+    """Attempt 1 uses the job's seed; every later attempt a new seed derived from it."""
+    if number == 1:
+        return job_seed
+    digest = hashlib.sha256(f"{job_seed}:{number}".encode()).digest()
+    return int.from_bytes(digest[:4], "big")
+
+
+def claim_group(
+    db: Database,
+    worker: str,
+    batch_id: str | None = None,
+    size: int = 4,
+    lease_s: float = DEFAULT_LEASE_S,
+    first_job_id: int | None = None,
+) -> list[Claimed]:
+    """Claim up to ``size`` queued jobs that can share one render call, and open an attempt each.
+
+    Compatible means same model, sampler, guidance, tier, frames and size. The first job is
+    ``first_job_id`` if given (and still queued), else the highest-priority, oldest queued one;
+    the rest must match it. A job with a failed attempt (a render error such as out of memory,
+    or a worker lost) renders alone: a group of one may fit where the group did not, and a
+    poison job takes no healthy jobs down with it.
+    """
+    with db.session() as s, s.begin():
+        base = select(Job, Batch).join(Batch).where(Job.state == JobState.QUEUED.value)
+        if batch_id is not None:
+            base = base.where(Job.batch_id == batch_id)
+        head = base.where(Job.id == first_job_id) if first_job_id is not None else base
+        # The job a message names is waited for, not skipped, when its row is locked: the lock may
+        # be send_render marking it sent just after the message went out (skipping would drop the
+        # message and leave the job queued until reconcile). Another claimer's lock ends with its
+        # commit, and the row is then no longer queued. Group members are still skipped if locked.
+        first = s.execute(_for_update(head.order_by(Job.priority.desc(), Job.id).limit(1), s,
+                                      skip_locked=first_job_id is None)).first()
+        if first is None:
+            return []
+        job, batch = first
+        failed_before = exists().where(Attempt.job_id == Job.id, Attempt.state == AttemptState.FAILED.value)
+        alone = s.scalar(select(exists().where(
+            Attempt.job_id == job.id, Attempt.state == AttemptState.FAILED.value)))
+        rest = [] if alone or size <= 1 else s.execute(
+            _for_update(
+                base.where(
+                    ~failed_before,
+                    Job.id != job.id,
+                    Batch.model == batch.model,
+                    Batch.sampler == batch.sampler,
+                    Batch.guidance == batch.guidance,
+                    Job.tier == job.tier,
+                    Job.frames == job.frames,
+                    Job.width == job.width,
+                    Job.height == job.height,
+                )
+                .order_by(Job.priority.desc(), Job.id)
+                .limit(size - 1),
+                s,
+            )
+        ).all()
+        group = [(job, batch)] + [(j, b) for j, b in rest]
+        group_id = uuid.uuid4().hex[:12]
+        expires = now() + timedelta(seconds=lease_s)
+        claimed: list[Claimed] = []
+        for j, b in group:
+            try:
+                move_job(
+                    s, j.id, JobState.QUEUED, JobState.RENDERING,
+                    lease_owner=worker, lease_expires_at=expires, attempts_made=j.attempts_made + 1, error=None,
+                )
+            except MoveConflict:
+                continue
+            attempt = Attempt(
+                job_id=j.id,
+                number=j.attempts_made + 1,
+                state=AttemptState.RENDERING.value,
+                tier=j.tier,
+                steps=TIERS[j.tier].steps,
+                seed=attempt_seed(j.seed, j.attempts_made + 1),
+                model=b.model,
+                sampler=b.sampler,
+                guidance=b.guidance,
+                worker=worker,
+                group_id=group_id,
+                group_size=len(group),
+                timings={},
+            )
+            s.add(attempt)
+            s.flush()
+            claimed.append(Claimed(j.id, attempt.id, attempt.steps))
+        return claimed
+
+
+def renew_lease(db: Database, job_ids: list[int], worker: str, lease_s: float = DEFAULT_LEASE_S) -> int:
+    """Push the lease of the jobs this worker still holds ``lease_s`` seconds out; returns how many."""
+    if not job_ids:
+        return 0
+    with db.session() as s, s.begin():
+        res = s.execute(
+            update(Job)
+            .where(Job.id.in_(job_ids), Job.lease_owner == worker, Job.state == JobState.RENDERING.value)
+            .values(lease_expires_at=now() + timedelta(seconds=lease_s))
+            .execution_options(synchronize_session=False)
+        )
+        return res.rowcount
+
+
+class Heartbeat:
+    """Renews the lease of the jobs a worker is rendering, every ``lease_s / 3`` seconds, on a
+    thread of its own, for as long as the ``with`` block runs: a group that renders for longer
+    than the lease is never taken back by a concurrent ``run``, ``nightly`` or ``reconcile``.
+
+    Both runners use it (the farm's render task and the embedded run). A failed renewal (the
+    database restarting, a dropped connection, a lock timeout) is logged and the next beat tries
+    again; with two beats left before the lease runs out, a short outage costs nothing.
+    """
+
+    def __init__(self, db: Database, job_ids: list[int], worker: str, lease_s: float = DEFAULT_LEASE_S,
+                 every: float | None = None):
+        self.db, self.job_ids, self.worker, self.lease_s = db, list(job_ids), worker, lease_s
+        self.every = every if every is not None else lease_s / 3
+        if not 0 < self.every < lease_s:
+            raise ValueError(f"heartbeat every {self.every:g} s with a lease of {lease_s:g} s: allowed more "
+                             "than 0 and less than the lease")
+        self.beats = 0  # renewals that reached the database
+        self.errors = 0  # renewals that failed
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="clipmill-heartbeat", daemon=True)
+
+    def beat(self) -> None:
+        try:
+            renew_lease(self.db, self.job_ids, self.worker, self.lease_s)
+        except Exception as e:  # noqa: BLE001 - any database error: keep beating
+            self.errors += 1
+            log.warning("lease renewal of jobs %s failed (%s: %s); retrying in %.3g s", self.job_ids,
+                        e.__class__.__name__, str(e).splitlines()[0] if str(e) else "", self.every)
+        else:
+            self.beats += 1
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every):
+            self.beat()
+
+    def __enter__(self) -> Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def _owner_dead(owner: str | None) -> bool:
+    """True when ``owner`` is a process on this host that no longer exists."""
+    if not owner or ":" not in owner:
+        return False
+    host, _, pid = owner.rpartition(":")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def reclaim(db: Database, batch_id: str | None = None) -> list[int]:
+    """Take back rendering jobs whose lease expired or whose local worker process died.
+
+    Their open attempt is marked failed ('abandoned') and counted as lost, not against the
+    batch's ``max_attempts``. The job goes back to queued, or to failed once it has lost the
+    batch's ``max_lost`` attempts. Returns the job ids moved.
+    """
+    moved = []
+    with db.session() as s, s.begin():
+        q = select(Job, Batch).join(Batch).where(Job.state == JobState.RENDERING.value)
+        if batch_id is not None:
+            q = q.where(Job.batch_id == batch_id)
+        # locked: a lease renewed at this moment is seen renewed (or its row skipped), never taken back
+        for job, batch in s.execute(_for_update(q, s)).all():
+            expires = job.lease_expires_at
+            if expires is not None and expires.tzinfo is None:
+                expires = expires.replace(tzinfo=timezone.utc)
+            if not (expires is None or expires < now() or _owner_dead(job.lease_owner)):
+                continue
+            for a in s.scalars(
+                select(Attempt).where(Attempt.job_id == job.id, Attempt.state == AttemptState.RENDERING.value)
+            ):
+                move_attempt(
+                    s, a.id, AttemptState.RENDERING, AttemptState.FAILED,
+                    error=f"abandoned: worker {job.lease_owner} lost its lease", finished_at=now(),
+                )
+            lost = (job.attempts_lost or 0) + 1
+            dst = JobState.QUEUED if lost < batch.max_lost else JobState.FAILED
+            try:
+                move_job(
+                    s, job.id, JobState.RENDERING, dst, lease_owner=None, lease_expires_at=None, attempts_lost=lost,
+                    error=None if dst is JobState.QUEUED else (
+                        f"worker lost {lost} times (max_lost {batch.max_lost}): the job may kill its worker; "
+                        f"last worker {job.lease_owner}"),
+                )
+                moved.append(job.id)
+            except MoveConflict:
+                pass
+    return moved
+
+
+def pending_post(db: Database, batch_id: str | None = None) -> list[int]:
+    """Attempts that were rendered but not post-processed (their raw frames are stored)."""
+    with db.session() as s:
+        q = select(Attempt.id).join(Job).where(
+            Attempt.state == AttemptState.RENDERED.value, Job.state == JobState.POST.value
+        )
+        if batch_id is not None:
+            q = q.where(Job.batch_id == batch_id)
+        return list(s.scalars(q.order_by(Attempt.id)))

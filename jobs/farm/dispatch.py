@@ -1,0 +1,80 @@
+"""Sending work to the farm. The database is the source of truth: jobs are committed first and
+sent after; a job the broker never got stays queued, and `clipmill reconcile` sends it again."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from kombu.exceptions import KombuError
+from redis.exceptions import RedisError
+from sqlalchemy import or_, select, update
+
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Job
+from clipmill.jobs.core.queue import now, pending_post, reclaim
+from clipmill.jobs.core.states import JobState
+from clipmill.jobs.farm.app import app
+
+log = logging.getLogger("clipmill.dispatch")
+
+
+class BrokerDown(RuntimeError):
+    pass
+
+
+def broker_priority(priority: int) -> int:
+    """The Redis message priority for a job's priority. clipmill: higher goes first, any integer.
+    kombu's Redis transport: 0 is served first, 9 last (with ``priority_steps`` 0..9, see
+    jobs.celery_app). Priorities 9 and above share the first place, 0 and below the last; the
+    job table's claim order (priority, then id) breaks ties within a group."""
+    return max(0, min(9, 9 - int(priority or 0)))
+
+
+SEND_CHUNK = 1000  # messages per Redis round trip
+
+
+def send_render(db: Database, job_ids: list[int]) -> int:
+    """Send one render message per job, with its priority; mark them sent. Messages go out in
+    pipelined chunks (one Redis round trip per thousand) and each chunk is marked once Redis
+    has it. Raises BrokerDown if Redis is unreachable; chunks sent before stay marked."""
+    sent = 0
+    try:
+        with app.producer_or_acquire() as producer:
+            for i in range(0, len(job_ids), SEND_CHUNK):
+                chunk = job_ids[i:i + SEND_CHUNK]
+                with db.session() as s:
+                    prio = dict(s.execute(select(Job.id, Job.priority).where(Job.id.in_(chunk))).all())
+                with producer.batch(max_size=SEND_CHUNK):  # flushed to Redis when the block ends
+                    for jid in chunk:
+                        app.send_task("clipmill.render", (jid,), priority=broker_priority(prio.get(jid, 0)),
+                                      queue="render", retry=False, producer=producer)
+                with db.session() as s, s.begin():
+                    s.execute(update(Job).where(Job.id.in_(chunk)).values(enqueued_at=now())
+                              .execution_options(synchronize_session=False))
+                sent += len(chunk)
+    except (KombuError, RedisError, OSError) as e:
+        raise BrokerDown(str(e) or e.__class__.__name__) from e
+    return sent
+
+
+def send_post(attempt_id: int) -> None:
+    """Send one post-processing message for a rendered attempt."""
+    app.send_task("clipmill.post", (attempt_id,), queue="post", retry=False)
+
+
+def reconcile(db: Database, stale_s: float = 600) -> dict:
+    """Take back expired leases; send again queued jobs never sent or sent over ``stale_s`` ago,
+    and rendered attempts still waiting for post-processing."""
+    taken_back = reclaim(db)
+    cutoff = now() - timedelta(seconds=stale_s)
+    with db.session() as s:
+        ids = list(s.scalars(select(Job.id).where(
+            Job.state == JobState.QUEUED.value, or_(Job.enqueued_at.is_(None), Job.enqueued_at < cutoff)
+        ).order_by(Job.priority.desc(), Job.id)))
+    sent = send_render(db, ids) if ids else 0
+    posts = 0
+    for attempt_id in pending_post(db):  # a second message for one already in flight does nothing
+        send_post(attempt_id)
+        posts += 1
+    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts}

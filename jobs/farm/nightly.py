@@ -1,0 +1,281 @@
+"""Nightly runs: drain the queue by a deadline, with the adaptive tier scheduler, and write the
+morning report.
+
+Between groups it feeds the scheduler the groups rendered since it last looked (seconds per
+denoising step, per worker, from the attempts' timings), asks whether the remaining work fits,
+and sets the tier of queued jobs that asked for `quality` to what the scheduler chose. Every
+decision that changed the tier is logged and goes into the report.
+"""
+
+from __future__ import annotations
+
+import fcntl  # POSIX: the SQLite nightly lock (clipmill runs on Linux and macOS)
+import json
+import logging
+import os
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+from sqlalchemy import func, select, text, update
+
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.core.states import JobState
+from clipmill.jobs.farm.dispatch import BrokerDown, reconcile
+from clipmill.jobs.farm.scheduler import Decision, SchedulerConfig, TierScheduler
+
+log = logging.getLogger("clipmill.nightly")
+OPEN = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
+
+
+def parse_deadline(text: str, zone: str, now: datetime | None = None) -> datetime:
+    """``HH:MM`` (the next such time of day), ``+SECONDS``, or an ISO date-time (one without an
+    offset is read in ``zone``).
+
+    ``zone`` is the one time zone of every clipmill time of day, ``Settings.timezone``
+    (``CLIPMILL_TIMEZONE``, else this host's): `clipmill nightly --deadline` and the beat's nightly
+    task both pass it, and the beat schedules ``CLIPMILL_NIGHTLY_AT`` in it, so the same text means
+    the same instant wherever it is given.
+    """
+    try:
+        tz = ZoneInfo(zone)
+    except Exception:  # noqa: BLE001 - ZoneInfoNotFoundError, ValueError
+        raise ValueError(f"time zone {zone!r}: not a time zone name; expected e.g. Europe/Paris or UTC (CLIPMILL_TIMEZONE)")
+    now = (now or datetime.now(timezone.utc)).astimezone(tz)
+    m = re.fullmatch(r"(\d{1,2}):(\d{2})", text.strip())
+    if m:
+        h, mi = int(m.group(1)), int(m.group(2))
+        if h > 23 or mi > 59:
+            raise ValueError(f"--deadline {text!r}: not a time of day; allowed HH:MM, +SECONDS or an ISO date-time")
+        at = now.replace(hour=h, minute=mi, second=0, microsecond=0)
+        return at if at > now else at + timedelta(days=1)  # wall-clock arithmetic: HH:MM there, across DST too
+    if re.fullmatch(r"\+\d+(\.\d+)?", text.strip()):
+        return now + timedelta(seconds=float(text.strip()[1:]))
+    try:
+        at = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"--deadline {text!r}: allowed HH:MM, +SECONDS or an ISO date-time")
+    return at if at.tzinfo else at.replace(tzinfo=tz)
+
+
+@dataclass
+class Supervisor:
+    db: Database
+    deadline: datetime
+    cfg: SchedulerConfig = field(default_factory=SchedulerConfig)
+    started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    scheduler: TierScheduler = field(init=False)
+    seen_groups: set = field(default_factory=set)
+    changes: list[dict] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.scheduler = TierScheduler(self.cfg)
+
+    def time_left(self) -> float:
+        return (self.deadline - datetime.now(timezone.utc)).total_seconds()
+
+    def feed(self) -> int:
+        """Record every group rendered since the run started that the scheduler has not seen."""
+        with self.db.session() as s:
+            rows = s.execute(
+                select(Attempt.group_id, Attempt.worker, Attempt.steps, Attempt.group_size, Attempt.timings)
+                .where(Attempt.started_at >= self.started, Attempt.group_id.is_not(None))
+            ).all()
+        groups: dict = {}
+        for gid, worker, steps, size, timings in rows:
+            if gid in self.seen_groups or not timings or "denoise_s" not in timings:
+                continue
+            g = groups.setdefault(gid, {"worker": worker, "steps": steps, "clips": 0, "seconds": 0.0})
+            g["clips"] += 1
+            g["seconds"] += float(timings["denoise_s"])  # each attempt holds its share of the group
+        for gid, g in groups.items():
+            self.scheduler.record(g["worker"] or "?", g["seconds"], g["steps"], g["clips"])
+            self.seen_groups.add(gid)
+        return len(groups)
+
+    def step(self, workers: int = 1) -> Decision:
+        """Measure, decide, apply. Called before each group (embedded) or periodically (farm)."""
+        self.feed()
+        with self.db.session() as s:
+            q = s.scalar(select(func.count()).select_from(Job).where(
+                Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "quality"))
+            f = s.scalar(select(func.count()).select_from(Job).where(
+                Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "fast"))
+        d = self.scheduler.decide(max(self.time_left(), 0.0), q, f, workers)
+        with self.db.session() as s, s.begin():
+            s.execute(update(Job).where(
+                Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "quality",
+                Job.tier != d.tier).values(tier=d.tier).execution_options(synchronize_session=False))
+        if d.changed or d.will_miss:
+            entry = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "tier": d.tier,
+                     "reason": d.reason, "time_left_s": round(d.time_left_s, 1), "will_miss": d.will_miss}
+            if not self.changes or self.changes[-1]["tier"] != d.tier or d.changed:
+                self.changes.append(entry)
+                log.warning("nightly: %s", entry)
+        return d
+
+    def report(self) -> dict:
+        with self.db.session() as s:
+            attempts = s.scalars(select(Attempt).where(Attempt.started_at >= self.started)).all()
+            job_ids = {a.job_id for a in attempts}
+            jobs = s.scalars(select(Job).where(Job.id.in_(job_ids))).all() if job_ids else []
+            still_open = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(OPEN)))
+        passed = [j for j in jobs if j.state in ("passed", "approved", "declined")]
+        render_s = sum(float((a.timings or {}).get("render_s", 0.0)) for a in attempts)
+        failures = [{"job": j.id, "batch": j.batch_id, "line": j.line, "state": j.state,
+                     "reason": j.error or "; ".join(next((a.reasons or [] for a in reversed(attempts) if a.job_id == j.id), []))}
+                    for j in jobs if j.state in ("failed", "rejected")]
+        return {
+            "started": self.started.isoformat(timespec="seconds"),
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "deadline": self.deadline.astimezone(timezone.utc).isoformat(timespec="seconds"),
+            "clips_produced": sum(1 for a in attempts if a.state in ("passed", "rejected")),
+            "attempts": len(attempts),
+            "passed": len(passed),
+            "rejected": sum(1 for j in jobs if j.state == "rejected"),
+            "failed": sum(1 for j in jobs if j.state == "failed"),
+            "not_finished": still_open,
+            "gpu_seconds_per_passed_clip": round(render_s / len(passed), 3) if passed else None,
+            "render_seconds": round(render_s, 3),
+            "tier_changes": self.changes,
+            "failures": failures,
+        }
+
+
+def report_markdown(r: dict) -> str:
+    lines = [
+        f"# clipmill nightly report, {r['started'][:10]}",
+        "",
+        f"Run {r['started']} to {r['finished']}, deadline {r['deadline']}.",
+        "",
+        "| clips produced | passed | rejected | failed | not finished | GPU-seconds per passed clip |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| {r['clips_produced']} | {r['passed']} | {r['rejected']} | {r['failed']} | {r['not_finished']} | "
+        f"{r['gpu_seconds_per_passed_clip'] if r['gpu_seconds_per_passed_clip'] is not None else '-'} |",
+        "",
+        "## Tier changes",
+        "",
+    ]
+    lines += [f"- {c['at']}: {c['tier']} ({c['reason']})" for c in r["tier_changes"]] or ["- none: every job ran at its own tier"]
+    lines += ["", "## Failures and rejects", ""]
+    lines += [f"- job {f['job']} ({f['batch']}, line {f['line']}) {f['state']}: {f['reason']}" for f in r["failures"]] or ["- none"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(r: dict, storage, name: str) -> list[str]:
+    return [
+        storage.put_bytes(f"reports/{name}.json", json.dumps(r, indent=2, ensure_ascii=False).encode()),
+        storage.put_bytes(f"reports/{name}.md", report_markdown(r).encode()),
+    ]
+
+
+NIGHTLY_LOCK = 4242002  # PostgreSQL advisory lock class: one nightly run per job table (schema)
+
+
+class NightlyRunning(RuntimeError):
+    """Another nightly run holds the job table's nightly lock."""
+
+
+def lock_file(db: Database) -> Path | None:
+    """SQLite: the nightly lock file beside the database file (None for an in-memory database)."""
+    name = db.engine.url.database
+    if not name or name == ":memory:" or name.startswith("file:"):
+        return None
+    return Path(name).expanduser().resolve().with_name(Path(name).name + ".nightly.lock")
+
+
+@contextmanager
+def single_run(db: Database):
+    """Hold the job table's nightly lock for the run: a second nightly (a second beat, or one
+    started by hand) stops at once with ``NightlyRunning`` instead of making tier decisions
+    against the first. The lock goes when the run ends or its process dies.
+
+    PostgreSQL: a session-level advisory lock (class ``NIGHTLY_LOCK``, keyed by the schema, so
+    job tables in other schemas of the same database do not block each other) on a connection of
+    its own in autocommit mode. No transaction stays open during the run, so a server's
+    ``idle_in_transaction_session_timeout`` cannot end the session and silently drop the lock;
+    the session also turns its ``idle_session_timeout`` off.
+
+    SQLite (one machine): an exclusive ``flock`` on ``DB.nightly.lock`` beside the database file.
+    The file stays when the run ends; only the lock on it matters. An in-memory database, which
+    one process alone can see, takes none.
+    """
+    if db.engine.dialect.name == "postgresql":
+        with _pg_lock(db):
+            yield
+    elif (path := lock_file(db)) is not None:
+        with _file_lock(path):
+            yield
+    else:
+        yield
+
+
+@contextmanager
+def _pg_lock(db: Database):
+    conn = db.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    key = {"k": NIGHTLY_LOCK}
+    try:
+        # hashtext(): the schema name as the lock's second int4 key
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:k, hashtext(coalesce(current_schema(), '')))"), key
+                            ).scalar():
+            raise NightlyRunning("another nightly run is in progress on this database (it holds the nightly "
+                                 "lock); this one stops. Run one beat per farm.")
+        try:
+            conn.execute(text("SET idle_in_transaction_session_timeout = 0"))
+            if conn.dialect.server_version_info >= (14,):
+                conn.execute(text("SET idle_session_timeout = 0"))
+            yield
+        finally:
+            try:
+                conn.execute(text("SELECT pg_advisory_unlock(:k, hashtext(coalesce(current_schema(), '')))"), key)
+            except Exception as e:  # noqa: BLE001 - the session is gone, and its lock with it
+                log.warning("releasing the nightly lock: %s", e)
+    finally:
+        conn.invalidate()  # its session settings stay out of the pool
+        conn.close()
+
+
+@contextmanager
+def _file_lock(path: Path):
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NightlyRunning(f"another nightly run is in progress on this database (it holds {path}); "
+                                 "this one stops. On SQLite one nightly run works a database file at a time.")
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for people
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def run_farm(db: Database, sup: Supervisor, interval: float = 30.0) -> None:
+    """Farm mode: until the deadline, or until no job is open, run reconcile and let the
+    scheduler measure and decide every ``interval`` seconds. The workers do the rendering."""
+    while sup.time_left() > 0:
+        try:
+            reconcile(db, stale_s=max(600.0, 4 * interval))
+        except BrokerDown as e:
+            log.warning("nightly: broker unreachable (%s); retrying", e)
+        with db.session() as s:
+            left = s.scalar(select(func.count()).select_from(Job).where(Job.state.in_(OPEN)))
+            since = datetime.now(timezone.utc) - timedelta(minutes=30)
+            workers = s.scalar(select(func.count(func.distinct(Attempt.worker))).where(Attempt.started_at >= since))
+        if not left:
+            break
+        sup.step(max(1, workers or 0))
+        time.sleep(max(0.0, min(interval, sup.time_left())))
+
+
+def report_name(report: dict) -> str:
+    return f"nightly-{report['started'][:10]}"

@@ -1,0 +1,121 @@
+"""Celery tasks: thin wrappers over the stage functions in ``clipmill.jobs.runner.stages``.
+
+Messages carry ids only. Every task is safe to run twice: a render message for a job that is
+no longer queued does nothing (another group took it, or it is done), and a post message for
+an attempt that already moved on does nothing. Poison jobs stop at the batch's max attempts
+(render errors) or its max lost attempts (a job whose worker died is taken back by its expired
+lease; see core.queue).
+
+A worker's context (database, warm model, storage) belongs to the task instance, which Celery
+creates once per worker process: ``WorkerTask.ctx`` builds it from the app's settings on first
+use, so nothing is kept in module globals.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery import Task
+from sqlalchemy import select
+
+from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.core.queue import Heartbeat, claim_group, worker_name
+from clipmill.jobs.farm.app import app
+from clipmill.jobs.farm.dispatch import BrokerDown, reconcile as run_reconcile, send_post, send_render
+from clipmill.jobs.farm.nightly import (NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run,
+                                        write_report)
+from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
+from clipmill.storage import open_storage
+
+log = logging.getLogger("clipmill.tasks")
+
+
+class WorkerTask(Task):
+    """A clipmill task: its worker context is made once per worker process, from the settings
+    the app was built with."""
+
+    abstract = True
+    _ctx: WorkerContext | None = None
+
+    @property
+    def ctx(self) -> WorkerContext:
+        if self._ctx is None:
+            self._ctx = WorkerContext.from_settings(self.app.clipmill_settings)
+        return self._ctx
+
+
+@app.task(name="clipmill.render", base=WorkerTask, bind=True)
+def render(self: WorkerTask, job_id: int) -> list[int]:
+    ctx = self.ctx
+    me = worker_name()
+    claimed = claim_group(ctx.db, me, size=self.app.clipmill_settings.group_size, first_job_id=job_id)
+    if not claimed:
+        log.info("job %s: not queued any more; nothing to do", job_id)
+        return []
+    log.info("group of %s: jobs %s", len(claimed), [c.job_id for c in claimed])
+    with Heartbeat(ctx.db, [c.job_id for c in claimed], me):
+        done = render_group(ctx, [c.attempt_id for c in claimed])
+    for attempt_id in done:
+        send_post(attempt_id)
+    # a render error sends the group's jobs back to queued while they have attempts left: send
+    # them again now (not at the next reconcile); out of attempts, they are failed and stay so
+    _send_queued_again(ctx.db, [c.job_id for c in claimed if c.attempt_id not in done])
+    return done
+
+
+def _send_queued_again(db, job_ids: list[int]) -> None:
+    """Send a render message for those of ``job_ids`` that are queued again (with their
+    priority). If the broker is unreachable, reconcile sends them later."""
+    if not job_ids:
+        return
+    with db.session() as s:
+        queued = list(s.scalars(select(Job.id).where(Job.id.in_(job_ids), Job.state == "queued").order_by(Job.id)))
+    if queued:
+        try:
+            send_render(db, queued)
+        except BrokerDown as e:
+            log.warning("jobs %s queued again, but the broker is unreachable (%s); reconcile will send them", queued, e)
+
+
+@app.task(name="clipmill.post", base=WorkerTask, bind=True)
+def post(self: WorkerTask, attempt_id: int) -> str | None:
+    ctx = self.ctx
+    verdict = post_attempt(ctx, attempt_id)
+    with ctx.db.session() as s:
+        a = s.get(Attempt, attempt_id)
+    if a is not None:  # a QC retry (or a post error with attempts left): render it again
+        _send_queued_again(ctx.db, [a.job_id])
+    return verdict
+
+
+@app.task(name="clipmill.reconcile", base=WorkerTask, bind=True)
+def reconcile(self: WorkerTask, stale_s: float = 600) -> dict:
+    """Beat's periodic safety net: farm.dispatch.reconcile on this worker's database."""
+    res = run_reconcile(self.ctx.db, stale_s)
+    log.info("reconcile: %s", res)
+    return res
+
+
+# Acked when it starts, not when it ends: a run of hours must not come back when the broker's
+# visibility timeout expires. If its worker dies, the night goes on without tier changes or a
+# report; `clipmill nightly` can be started by hand.
+@app.task(name="clipmill.nightly", base=WorkerTask, bind=True, acks_late=False)
+def nightly(self: WorkerTask, deadline: str = "07:00", out: str | None = None, interval: float = 30.0) -> dict:
+    """The nightly run started by beat: farm.nightly's supervisor until ``deadline`` (HH:MM in
+    the settings' timezone, or +SECONDS), then the morning report under ``out`` (default: the
+    settings' CLIPMILL_OUT)."""
+    settings = self.app.clipmill_settings
+    db = self.ctx.db
+    when = parse_deadline(deadline, settings.timezone)
+    sup = Supervisor(db, when)
+    try:
+        with single_run(db):
+            log.info("nightly run until %s", when.isoformat(timespec="minutes"))
+            run_farm(db, sup, interval)
+    except NightlyRunning as e:
+        log.error("%s", e)
+        return {"report": [], "refused": str(e)}
+    report = sup.report()
+    paths = write_report(report, open_storage(out or settings.out), report_name(report))
+    log.info("nightly report: %s", paths)
+    return {"report": paths, **{k: report[k] for k in ("passed", "rejected", "failed", "not_finished")}}

@@ -1,0 +1,136 @@
+"""The review web application (FastAPI, Jinja2 templates): `clipmill review`.
+
+Security:
+- it binds to 127.0.0.1 unless told otherwise, and refuses another address without a token;
+- with a token, every request needs it (the cookie set by ``/?token=...``, or an
+  ``Authorization: Bearer`` header), else 401;
+- state changes are POSTs that carry a CSRF token equal to the page's cookie, and whose Origin
+  (when the browser sends one) is this server;
+- files are served by job id and attempt number, from keys in the job table, and only when the
+  resolved path lies under that batch's storage root.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from fastapi import FastAPI, Form, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from sqlalchemy import select
+
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Batch
+from clipmill.jobs.review.decisions import FILTERS, DecisionConflict, ReviewError, clips, decide, media_key
+from clipmill.storage import LocalStorage, open_storage
+
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
+CSRF_COOKIE = "clipmill_csrf"
+TOKEN_COOKIE = "clipmill_token"
+MEDIA_TYPES = {"clip": "video/mp4", "poster": "image/jpeg", "sheet": "image/png"}
+
+
+def create_app(db: Database, token: str | None = None, default_batch: str | None = None) -> FastAPI:
+    app = FastAPI(title="clipmill review", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        if token:
+            given = request.cookies.get(TOKEN_COOKIE) or ""
+            auth = request.headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                given = auth[7:]
+            query = request.query_params.get("token")
+            if query and hmac.compare_digest(query, token) and request.method == "GET":
+                # log in: keep the token in an HttpOnly cookie, drop it from the address bar
+                resp = RedirectResponse(request.url.path, status_code=303)
+                resp.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
+                return resp
+            if not hmac.compare_digest(given, token):
+                return Response("401: this review server needs its token (open /?token=...)\n", status_code=401,
+                                media_type="text/plain")
+        return await call_next(request)
+
+    def page(request: Request, name: str, ctx: dict) -> Response:
+        csrf = request.cookies.get(CSRF_COOKIE) or secrets.token_urlsafe(24)
+        resp = TEMPLATES.TemplateResponse(request, name, dict(ctx, csrf=csrf))
+        resp.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict")
+        resp.headers["Content-Security-Policy"] = "default-src 'self'; style-src 'self' 'unsafe-inline'; script-src 'self' 'unsafe-inline'"
+        resp.headers["X-Frame-Options"] = "DENY"
+        return resp
+
+    @app.get("/")
+    def index(request: Request):
+        if default_batch:
+            return RedirectResponse(f"/batch/{default_batch}", status_code=303)
+        with db.session() as s:
+            batches = s.scalars(select(Batch).order_by(Batch.created_at.desc())).all()
+        return page(request, "index.html", {"batches": batches})
+
+    @app.get("/batch/{batch_id}")
+    def batch(request: Request, batch_id: str, state: str = "review"):
+        try:
+            items = clips(db, batch_id, state)
+            notice = None
+            if state == "review" and not items:
+                # nothing survived QC: show the rejects, so an operator can rescue false ones
+                items = clips(db, batch_id, "rejected")
+                if items:
+                    notice = "No clip of this batch passed QC. Showing the rejected ones: approving one overrides QC."
+        except ReviewError as e:
+            raise HTTPException(404 if "no such batch" in str(e) else 400, str(e))
+        return page(request, "batch.html", {"batch": batch_id, "clips": items, "state": state, "filters": FILTERS,
+                                            "notice": notice})
+
+    @app.post("/decide/{job_id}")
+    def post_decision(
+        request: Request,
+        job_id: int,
+        version: int = Form(...),
+        decision: str = Form(...),
+        csrf: str = Form(...),
+        note: str = Form(""),
+        operator: str = Form(""),
+    ):
+        cookie = request.cookies.get(CSRF_COOKIE) or ""
+        if not cookie or not hmac.compare_digest(cookie, csrf):
+            raise HTTPException(403, "CSRF token missing or wrong; reload the page")
+        origin = request.headers.get("origin")
+        if origin and urlsplit(origin).netloc != request.headers.get("host"):
+            raise HTTPException(403, f"cross-site request from {origin} refused")
+        try:
+            result = decide(db, job_id, version, decision, note, operator)
+        except DecisionConflict as e:
+            return JSONResponse({"error": str(e)}, status_code=409)
+        except ReviewError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        if "application/json" in request.headers.get("accept", ""):
+            return result
+        return RedirectResponse(request.headers.get("referer") or "/", status_code=303)
+
+    @app.get("/media/{job_id}/{attempt_no}/{kind}")
+    def media(job_id: int, attempt_no: int, kind: str):
+        found = media_key(db, job_id, attempt_no, kind)
+        if found is None:
+            raise HTTPException(404, "no such file")
+        root, key = found
+        store = open_storage(root)
+        if isinstance(store, LocalStorage):
+            path = store.path(key).resolve()
+            if not path.is_relative_to(store.root) or not path.is_file():
+                raise HTTPException(404, "no such file")
+            return FileResponse(path, media_type=MEDIA_TYPES[kind])
+        if not store.exists(key):
+            raise HTTPException(404, "no such file")
+        return Response(store.get_bytes(key), media_type=MEDIA_TYPES[kind])
+
+    return app
+
+
+def serve(db: Database, host: str, port: int, token: str | None, batch: str | None) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(db, token, batch), host=host, port=port, log_level="warning")

@@ -1,0 +1,295 @@
+"""Step distillation of the shapes teacher: latent consistency distillation (LCM), as AnimateLCM.
+
+One student serves both render tiers. It learns the teacher's probability-flow ODE as a
+consistency function on the 50-step DDIM grid of the 1000-step schedule (``solver_steps``,
+LCMScheduler's ``original_inference_steps``): from any grid timestep it predicts the clip the
+ODE ends at. LCMScheduler's 6-step (tier ``fast``: 999, 839, 679, 499, 339, 179) and 8-step
+(tier ``quality``: 999, 879, ..., 139) schedules are both subsets of that grid, so the renderer
+samples the one folder at either step count; the stage evaluates both.
+
+One training step (Luo et al. 2023, "Latent Consistency Models"; AnimateLCM uses the same loss):
+
+1. a training clip's latents ``z0`` are noised to a grid timestep ``t`` (``x_t``);
+2. the frozen teacher takes one DDIM step from ``x_t`` to ``s = t - 1000 / solver_steps`` with
+   classifier-free guidance ``guidance`` baked in (so the student runs at guidance 1.0, as the
+   renderer runs distilled models);
+3. the student's consistency output at ``(x_t, t)`` is pulled towards the target network's at
+   ``(x_s, s)``; the target network is an EMA of the student (``target_decay``).
+
+The consistency output is ``c_skip(t) x_t + c_out(t) x0(t)``, with ``x0`` from the UNet's
+v-prediction and LCMScheduler's boundary scalings (sigma_data 0.5, ``timestep_scaling`` 10), so
+that ``LCMScheduler.step`` computes exactly what the student was trained to output.
+
+The student starts from the teacher's EMA weights; the exported folder holds the target network
+with an LCMScheduler config (the renderer then picks sampler ``lcm``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ...qc import adherence
+from .. import shapes
+from ..sampler import make_scheduler, sample
+from . import nets
+from .data import Clean, ShapesData
+from .stages import (Log, Probe, StageConfig, StageResult, TextCache, _done, _load_state, _mark_done, _Meter, _save_state,
+                     decode_latents, encode_latents, export_pipeline)
+
+STAGE = "student"
+TIER_STEPS = (6, 8)  # pipeline.choices.TIERS: fast, quality
+
+
+@dataclass(frozen=True)
+class LCMConfig:
+    """The consistency distillation's own hyper-parameters (the schedule is a ``StageConfig``).
+
+    - ``solver_steps``: the DDIM grid the consistency is learnt on (skip ``1000 // solver_steps``).
+    - ``guidance``: the teacher's classifier-free guidance baked into the student, ``u + g (c - u)``.
+    - ``target_decay``: EMA decay of the target network (LCM: 0.95).
+    - ``huber_c``: pseudo-Huber constant per latent element; 0 gives the plain L2 loss.
+    - ``timestep_scaling``: LCMScheduler's, in the boundary scalings ``c_skip`` and ``c_out``.
+    """
+
+    solver_steps: int = 50
+    guidance: float = 3.0
+    target_decay: float = 0.95
+    huber_c: float = 0.001
+    timestep_scaling: float = 10.0
+
+    def __post_init__(self):
+        if not 8 <= self.solver_steps <= 1000 or 1000 % self.solver_steps:
+            raise ValueError(f"LCMConfig.solver_steps={self.solver_steps}: must divide 1000 and lie in 8..1000 "
+                             f"(the 8-step tier's schedule is a subset of it)")
+        if not 1.0 <= self.guidance <= 12.0:
+            raise ValueError(f"LCMConfig.guidance={self.guidance}: allowed 1.0 to 12.0")
+        if not 0.0 <= self.target_decay < 1.0:
+            raise ValueError(f"LCMConfig.target_decay={self.target_decay}: allowed 0 <= decay < 1")
+        if self.huber_c < 0:
+            raise ValueError(f"LCMConfig.huber_c={self.huber_c}: must be >= 0")
+
+
+def lcm_scheduler(teacher_config, lcm: LCMConfig):
+    """The student's LCMScheduler: the teacher's betas and prediction type, LCM's grid."""
+    from diffusers import LCMScheduler
+
+    return LCMScheduler.from_config(teacher_config, original_inference_steps=lcm.solver_steps,
+                                    timestep_scaling=lcm.timestep_scaling, beta_schedule="linear",
+                                    clip_sample=False, set_alpha_to_one=True)
+
+
+def boundary_scalings(t: torch.Tensor, timestep_scaling: float, sigma_data: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+    """LCMScheduler's ``c_skip`` and ``c_out`` for integer timesteps ``t`` (1 and 0 at t = 0)."""
+    scaled = t.double() * timestep_scaling
+    c_skip = sigma_data**2 / (scaled**2 + sigma_data**2)
+    c_out = scaled / (scaled**2 + sigma_data**2).sqrt()
+    return c_skip.float(), c_out.float()
+
+
+def _bcast(v: torch.Tensor) -> torch.Tensor:
+    return v.view(-1, 1, 1, 1, 1)
+
+
+def _x0_eps(v: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clean latents and noise from a v-prediction at ``x`` with alpha-bar ``a`` (broadcast)."""
+    sa, sb = a.sqrt(), (1 - a).sqrt()
+    return sa * x - sb * v, sa * v + sb * x
+
+
+def grid_timesteps(idx: torch.Tensor, lcm: LCMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grid index (0 .. solver_steps-1) to the timestep ``t`` on the grid (k-1, 2k-1, ..., 999) and
+    the solver's next one ``s = t - k`` (0 below the first)."""
+    k = 1000 // lcm.solver_steps
+    t = (idx + 1) * k - 1
+    return t, (t - k).clamp(min=0)
+
+
+def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor,
+                     acp: torch.Tensor, lcm: LCMConfig, idx: torch.Tensor | None = None,
+                     noise: torch.Tensor | None = None) -> torch.Tensor:
+    """One LCM distillation loss on clean latents ``z0`` (B, C, T, h, w).
+
+    ``cond`` (B, tokens, dim) and ``uncond`` (1, tokens, dim) are text states (not yet repeated
+    per frame). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
+    unless given (the probe gives fixed ones).
+    """
+    b, frames = len(z0), z0.shape[2]
+    if idx is None:
+        idx = torch.randint(0, lcm.solver_steps, (b,))
+    if noise is None:
+        noise = torch.randn_like(z0)
+    t, s = grid_timesteps(idx, lcm)
+    a_t, a_s = _bcast(acp[t]), _bcast(acp[s])
+    x_t = a_t.sqrt() * z0 + (1 - a_t).sqrt() * noise
+    ehs_c = cond.repeat_interleave(frames, dim=0)
+    cs_s, co_s = boundary_scalings(s, lcm.timestep_scaling)
+
+    pred = consistency_output(student, x_t, t, ehs_c, acp, lcm)
+    with torch.no_grad():
+        x_s = guided_ddim_step(teacher, x_t, t, s, cond, uncond, acp, lcm.guidance)
+        x0_target, _ = _x0_eps(target(x_s, s, encoder_hidden_states=ehs_c).sample, x_s, a_s)
+        tgt = _bcast(cs_s) * x_s + _bcast(co_s) * x0_target
+    if lcm.huber_c == 0:
+        return ((pred - tgt) ** 2).mean()
+    return ((pred - tgt) ** 2 + lcm.huber_c**2).sqrt().sub(lcm.huber_c).mean()
+
+
+def consistency_output(unet, x_t: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, acp: torch.Tensor,
+                       lcm: LCMConfig) -> torch.Tensor:
+    """``c_skip(t) x_t + c_out(t) x0``: what LCMScheduler.step takes as the clean clip."""
+    a_t = _bcast(acp[t])
+    x0, _ = _x0_eps(unet(x_t, t, encoder_hidden_states=ehs).sample, x_t, a_t)
+    c_skip, c_out = boundary_scalings(t, lcm.timestep_scaling)
+    return _bcast(c_skip) * x_t + _bcast(c_out) * x0
+
+
+def guided_ddim_step(teacher, x_t: torch.Tensor, t: torch.Tensor, s: torch.Tensor, cond: torch.Tensor,
+                     uncond: torch.Tensor, acp: torch.Tensor, guidance: float) -> torch.Tensor:
+    """One DDIM (eta 0) step of the teacher with classifier-free guidance, from ``t`` to ``s``."""
+    b, frames = len(x_t), x_t.shape[2]
+    a_t, a_s = _bcast(acp[t]), _bcast(acp[s])
+    ehs = torch.cat([cond, uncond.expand(b, -1, -1)]).repeat_interleave(frames, dim=0)
+    v_c, v_u = teacher(torch.cat([x_t, x_t]), torch.cat([t, t]), encoder_hidden_states=ehs).sample.chunk(2)
+    x0_c, eps_c = _x0_eps(v_c, x_t, a_t)
+    x0_u, eps_u = _x0_eps(v_u, x_t, a_t)
+    x0 = x0_u + guidance * (x0_c - x0_u)
+    eps = eps_u + guidance * (eps_c - eps_u)
+    return a_s.sqrt() * x0 + (1 - a_s).sqrt() * eps
+
+
+def teacher_endpoints(teacher, probe: Probe, uncond: torch.Tensor, acp: torch.Tensor, lcm: LCMConfig
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's noisy latents ``x_t`` (grid indices ``probe.t``) and where the guided teacher's
+    DDIM solver on the grid takes each of them at timestep 0: what the student should output."""
+    t, _ = grid_timesteps(probe.t, lcm)
+    a_t = _bcast(acp[t])
+    x_t = a_t.sqrt() * probe.z0 + (1 - a_t).sqrt() * probe.noise
+    x = x_t.clone()
+    with torch.no_grad():  # all clips in one batch; each joins the solver at its own grid index
+        for i in range(int(probe.t.max()), -1, -1):
+            on = probe.t >= i
+            ti, si = grid_timesteps(torch.full((int(on.sum()),), i), lcm)
+            x[on] = guided_ddim_step(teacher, x[on], ti, si, probe.cond[on], uncond, acp, lcm.guidance)
+    return x_t, x
+
+
+def sample_student(unet, scheduler_config, cond: torch.Tensor, steps: int, seeds: list[int],
+                   frames: int = shapes.FRAMES) -> torch.Tensor:
+    """Scaled latents (B, C, T, h, w) sampled as the renderer samples an LCM model: the project's
+    sampler loop with sampler ``lcm``, guidance 1.0, one generator per clip."""
+    scheduler = make_scheduler(scheduler_config, "lcm")
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    shape = (1, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE)
+    x = torch.cat([torch.randn(shape, generator=g) for g in gens]) * scheduler.init_noise_sigma
+    ehs = cond.repeat_interleave(frames, dim=0)
+    with torch.no_grad():
+        return sample(lambda xi, t: unet(xi, t, encoder_hidden_states=ehs).sample, x, scheduler, steps, gens)
+
+
+def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: int = 16, seed: int = 4242) -> dict:
+    """Adherence at both tiers' step counts on ``n`` train-split and ``n`` held-out prompts."""
+    out: dict = {}
+    for split in ("train", "heldout"):
+        b = ShapesData(clean, seed, split).batch(n, render=False)  # type: ignore[arg-type]
+        for steps in TIER_STEPS:
+            z = sample_student(unet, scheduler_config, text(b.captions), steps, [seed + i for i in range(n)])
+            adh = adherence.adherence([adherence.analyze(c) for c in decode_latents(vae, z)], b.specs)
+            out[f"{split}@{steps}"] = {k: round(v, 3) for k, v in adh.items()}
+    return out
+
+
+def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCMConfig = LCMConfig()) -> StageResult:
+    """Distil ``root/teacher/pipeline`` into ``root/student/pipeline`` (an LCM AnimateDiff folder).
+
+    Resumable like the other stages (``root/student/state.pt``). The probe loss is the
+    distillation error: the MSE between the student's one-step clean clip and the guided
+    teacher's full DDIM solution, from fixed noisy clips at grid points spread over the schedule
+    (the teacher's solutions are computed once per run).
+    """
+    from diffusers import AnimateDiffPipeline
+
+    if _done(root, STAGE):
+        log(f"[{STAGE}] done already: {root / STAGE / 'pipeline'}")
+        return StageResult()
+    if not _done(root, "teacher"):
+        raise FileNotFoundError(f"[{STAGE}] {root / 'teacher' / 'done'} is missing: the student distils the finished "
+                                "teacher, so run the teacher stage first")
+    torch.manual_seed(cfg.seed)
+    teacher_pipe = AnimateDiffPipeline.from_pretrained(root / "teacher" / "pipeline", dtype=torch.float32)
+    vae = teacher_pipe.vae.eval().requires_grad_(False)
+    te, tok = teacher_pipe.text_encoder.eval().requires_grad_(False), teacher_pipe.tokenizer
+    teacher = teacher_pipe.unet.eval().requires_grad_(False)
+    if teacher_pipe.scheduler.config.prediction_type != "v_prediction":
+        raise ValueError(f"[{STAGE}] teacher prediction_type={teacher_pipe.scheduler.config.prediction_type!r}; "
+                         "the distillation reads v-predictions ('v_prediction')")
+    scheduler = lcm_scheduler(teacher_pipe.scheduler.config, lcm)
+    acp = scheduler.alphas_cumprod.float()
+    text = TextCache(te, tok)
+    student = copy.deepcopy(teacher).train().requires_grad_(True)
+    target = copy.deepcopy(teacher)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
+    data = ShapesData(clean, cfg.seed, "train")
+    step = 0
+    state = _load_state(root / STAGE / "state.pt")
+    if state:
+        student.load_state_dict(state["model"])
+        target.load_state_dict(state["target"])
+        opt.load_state_dict(state["opt"])
+        data.rng, step = state["rng"], state["step"]
+        torch.set_rng_state(state["torch_rng"])
+        log(f"[{STAGE}] resumed at step {step}")
+    log(f"[{STAGE}] LCM distillation of the teacher ({nets.count(student) / 1e6:.2f} M params), batch {cfg.batch} "
+        f"clips, {asdict(lcm)}")
+    uncond = text([""])
+    probe = Probe.make(vae, text, clean, seed=cfg.seed + 77, t_max=lcm.solver_steps)  # t: grid indices
+    probe_x, probe_end = teacher_endpoints(teacher, probe, uncond, acp, lcm)
+    probe_ehs = probe.cond.repeat_interleave(probe.z0.shape[2], dim=0)
+    result = StageResult()
+
+    def run_probe() -> None:
+        with torch.no_grad():
+            out = consistency_output(student, probe_x, grid_timesteps(probe.t, lcm)[0], probe_ehs, acp, lcm)
+            result.probe[step] = ((out - probe_end) ** 2).mean().item()
+        log(f"[{STAGE}] step {step} probe: distillation error (MSE to the teacher's DDIM {lcm.solver_steps}) "
+            f"{result.probe[step]:.5f}")
+
+    run_probe()
+    meter = _Meter(log, STAGE, cfg.steps, cfg.log_every)
+    losses = result.losses
+    while step < cfg.steps:
+        step += 1
+        b = data.batch(cfg.batch)
+        z0 = encode_latents(vae, b.frames)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, step / 100)
+        loss = consistency_loss(student, teacher, target, z0, text(b.captions), uncond, acp, lcm)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            for pt, p in zip(target.parameters(), student.parameters()):
+                pt.lerp_(p, 1 - lcm.target_decay)
+        losses.append(loss.item())
+        meter.add(step, loss=loss.item())
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            run_probe()
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            _save_state(root / STAGE / "state.pt", {"model": student.state_dict(), "target": target.state_dict(),
+                                                    "opt": opt.state_dict(), "rng": data.rng, "step": step,
+                                                    "torch_rng": torch.get_rng_state()})
+        if cfg.eval_due(step):
+            t0 = time.time()
+            res = eval_student(target, vae, text, scheduler.config, clean)
+            log(f"[{STAGE}] eval step {step} (target net, LCM {'/'.join(map(str, TIER_STEPS))} steps, guidance 1; "
+                f"{time.time() - t0:.0f}s): {json.dumps(res)}")
+    export_pipeline(root / STAGE / "pipeline", target, vae, te, tok, scheduler)
+    _mark_done(root, STAGE, {"step": step, "lcm": asdict(lcm)})
+    log(f"[{STAGE}] saved {root / STAGE / 'pipeline'}")
+    return result

@@ -1,0 +1,82 @@
+"""Writing the built-in ``shapes`` model folder from the training checkpoints.
+
+``export_model(ckpt_dir, dest)`` takes the distilled student (``ckpt_dir/student/pipeline``, an
+AnimateDiff folder with an LCMScheduler), stores its UNet in float16 (the largest part; the VAE
+and text encoder stay float32), adds ``clipmill.json`` (the model's defaults, and what each
+training stage reported) and replaces ``dest`` atomically. The renderer loads it in float32
+through ``from_pretrained`` like any user's folder (``pipeline.models``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .. import shapes
+from ..choices import TIERS
+from ..models import SHAPES, SHAPES_VERSION
+
+MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
+MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BYTES) -> Path:
+    """Write the shapes model folder at ``dest`` from the checkpoints under ``ckpt_dir``.
+
+    Raises FileNotFoundError when the student stage has not finished, and ValueError when the
+    folder would exceed ``max_bytes``; ``dest`` is left as it was in both cases.
+    """
+    import torch
+    from diffusers import AnimateDiffPipeline
+
+    ckpt_dir, dest = Path(ckpt_dir), Path(dest)
+    src = ckpt_dir / "student" / "pipeline"
+    if not (ckpt_dir / "student" / "done").exists():
+        raise FileNotFoundError(f"{ckpt_dir / 'student' / 'done'} is missing: the distilled student is not trained "
+                                "yet; run every stage first (make demo-model)")
+    pipe = AnimateDiffPipeline.from_pretrained(src, dtype=torch.float32)
+    pipe.unet.to(torch.float16)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        stages = {}
+        for stage in ("vae", "text", "teacher", "student"):
+            done = ckpt_dir / stage / "done"
+            stages[stage] = json.loads(done.read_text()) if done.exists() else None
+        recipe = ckpt_dir / "recipe.json"
+        meta = {
+            "model": SHAPES,
+            "shapes_version": SHAPES_VERSION,
+            "native_fps": shapes.FPS,
+            "default_size": [shapes.SIZE, shapes.SIZE],
+            "default_frames": shapes.FRAMES,
+            "max_frames": MAX_FRAMES,
+            "guidance_distilled": True,
+            "tiers": {name: tier.steps for name, tier in TIERS.items()},
+            "distillation": "LCM consistency distillation on a 50-step DDIM grid; one student for both tiers",
+            "training": {"recipe": json.loads(recipe.read_text()) if recipe.exists() else None, "stages": stages},
+        }
+        (tmp / "clipmill.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+        size = folder_bytes(tmp)
+        if size > max_bytes:
+            raise ValueError(f"the exported model is {size / 2**20:.1f} MiB, over the limit of {max_bytes / 2**20:.1f} MiB")
+        AnimateDiffPipeline.from_pretrained(tmp, dtype=torch.float32)  # it loads as the renderer loads it
+        old = None
+        if dest.exists():
+            old = dest.with_name(f".{dest.name}-old-{os.getpid()}")
+            os.rename(dest, old)
+        os.rename(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest

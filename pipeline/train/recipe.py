@@ -1,0 +1,106 @@
+"""The whole training of the shapes model, in order: ``vae``, ``text``, ``teacher``, ``student``.
+
+A :class:`Recipe` is every stage's schedule and the networks' sizes. ``run_all`` runs the stages
+one after another under one checkpoint root; each resumes from its own checkpoint and a finished
+stage is skipped, so rerunning the same command after a kill continues where it stopped. The
+root remembers the recipe and seed it was started with (``recipe.json``) and refuses another,
+so a resume never mixes two trainings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from .data import Clean
+from .distill import LCMConfig, train_student
+from .stages import Log, StageConfig, StageResult, train_teacher, train_text, train_vae
+
+STAGE_ORDER = ("vae", "text", "teacher", "student")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Stage schedules and network sizes. ``seed`` seeds every stage."""
+
+    name: str
+    vae: StageConfig
+    text: StageConfig
+    teacher: StageConfig
+    student: StageConfig
+    vae_channels: tuple[int, int, int] = (32, 64, 64)
+    unet_channels: tuple[int, int, int] = (32, 64, 128)
+    lcm: LCMConfig = field(default_factory=LCMConfig)
+    seed: int = 0
+
+    def with_seed(self, seed: int) -> Recipe:
+        return replace(self, seed=seed, **{s: replace(getattr(self, s), seed=seed) for s in STAGE_ORDER})
+
+    def stage(self, name: str) -> Callable[[Path, Clean, Log], StageResult]:
+        """The stage ``name`` bound to this recipe: ``fn(root, clean, log) -> StageResult``."""
+        runs = {
+            "vae": lambda root, clean, log: train_vae(root, self.vae, clean, log, channels=self.vae_channels),
+            "text": lambda root, clean, log: train_text(root, self.text, clean, log),
+            "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, channels=self.unet_channels),
+            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm),
+        }
+        if name not in runs:
+            raise ValueError(f"stage {name!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
+        return runs[name]
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# The shipped model's recipe. vae/text/teacher are the schedules of the background run that
+# trains it (/work/clipmill-train/run.py FULL), so that run's checkpoints resume under this recipe.
+FULL = Recipe(
+    name="full",
+    vae=StageConfig(steps=2500, batch=32, lr=1e-3, ckpt_every=100, log_every=25, eval_every=500),
+    text=StageConfig(steps=600, batch=64, lr=1e-3, ckpt_every=100, log_every=50),
+    teacher=StageConfig(steps=30000, batch=8, lr=2e-4, ckpt_every=100, log_every=25, eval_every=750),
+    student=StageConfig(steps=4000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
+)
+# Every stage for a few steps with small networks: checks the whole chain in minutes. Its model
+# draws nothing; it is never exported into the package.
+SMOKE = Recipe(
+    name="smoke",
+    vae=StageConfig(steps=20, batch=16, lr=2e-3, ckpt_every=10, log_every=5, eval_every=0),
+    text=StageConfig(steps=20, batch=32, lr=2e-3, ckpt_every=10, log_every=5, eval_every=0),
+    teacher=StageConfig(steps=10, batch=2, lr=1e-3, ckpt_every=5, log_every=5, eval_every=0),
+    student=StageConfig(steps=10, batch=2, lr=1e-4, ckpt_every=5, log_every=5, eval_every=0),
+    vae_channels=(16, 16, 16),
+    unet_channels=(16, 32, 32),
+)
+RECIPES = {r.name: r for r in (FULL, SMOKE)}
+
+
+def check_root(root: Path, recipe: Recipe) -> None:
+    """Write ``root/recipe.json`` on first use; afterwards refuse a different recipe or seed."""
+    path = root / "recipe.json"
+    mine = json.loads(json.dumps(recipe.as_dict()))  # tuples as lists, as read back
+    if path.exists():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            raise ValueError(f"{root}: its checkpoints were started with recipe {theirs.get('name')!r}, seed "
+                             f"{theirs.get('seed')}, which differs from recipe {recipe.name!r}, seed {recipe.seed} "
+                             f"(see {path}); resume with the same ones or pick another checkpoint folder")
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(mine, indent=1))
+
+
+def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, StageResult]:
+    """Run ``stages`` of ``recipe`` in order under ``root``; returns each stage's result."""
+    for s in stages:
+        if s not in STAGE_ORDER:
+            raise ValueError(f"stage {s!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
+    check_root(root, recipe)
+    order = [s for s in STAGE_ORDER if s in stages]
+    losses = {}
+    for i, name in enumerate(order, 1):
+        log(f"== stage {i}/{len(order)}: {name} ({root / name})")
+        losses[name] = recipe.stage(name)(root, clean, log)
+    return losses

@@ -1,0 +1,535 @@
+"""The training stages of the shapes model, one after another: ``vae``, ``text``, ``teacher``
+(then ``student``, the step distillation in ``distill``; ``recipe`` runs them all in order).
+
+Each stage keeps its state under ``root/<stage>/`` (outside the work tree): ``state.pt`` (weights,
+optimiser, step, data stream) every ``ckpt_every`` steps, so a restarted run resumes where it
+stopped, and a diffusers folder when it ends (``root/vae/model``, ``root/text/model``,
+``root/teacher/pipeline``), with a ``done`` marker that makes a rerun skip the stage.
+
+- ``vae``: AutoencoderKL on 32 x 32 crops (half of them on the shape) with the shape's pixels
+  weighted up (the shape is a few percent of a frame; a plain loss drops it). At the end its
+  ``scaling_factor`` is set to 1 / the latents' standard deviation.
+- ``text``: the CLIP text encoder trained alone, as a classifier of the five attributes from the
+  cleaned caption, read at every position from the end token on (the pipeline pads with the end
+  token and the encoder is causal, so all those positions see the whole caption). Then frozen.
+- ``teacher``: the UNetMotionModel, v-prediction on the frozen VAE's latents with min-SNR
+  weighting, 10% empty captions (for guidance), an EMA of its weights. Every ``eval_every``
+  steps the EMA samples prompts from the training and the held-out split, and the analyzer
+  (``qc.adherence``) logs adherence per attribute.
+
+Every stage returns a :class:`StageResult`: the loss of each step it ran (empty when it was done
+already) and, for the denoisers, a probe loss: the same loss on a fixed batch (fixed clips,
+timesteps and noise), logged every ``log_every`` steps. A diffusion loss on random timesteps
+swings by 10x from step to step; the probe shows learning where the training loss cannot.
+``eval_every=0`` turns the (sampling) evaluations off, as the tests' tiny runs do.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...qc import adherence
+from .. import shapes
+from . import nets
+from .data import Clean, ShapesData
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class StageResult:
+    """What a stage run did: each step's training loss, and ``probe`` {step: probe loss}."""
+
+    losses: list[float] = field(default_factory=list)
+    probe: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """One stage's schedule. ``eval_every`` 0: no evaluation, not even at the end."""
+
+    steps: int
+    batch: int
+    lr: float
+    ckpt_every: int = 100
+    log_every: int = 20
+    eval_every: int = 500
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "ckpt_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"StageConfig.{name}={getattr(self, name)}: must be at least 1")
+        if self.eval_every < 0 or not self.lr > 0:
+            raise ValueError(f"StageConfig eval_every={self.eval_every}, lr={self.lr}: need eval_every >= 0 and lr > 0")
+
+    def eval_due(self, step: int) -> bool:
+        """Whether to evaluate after ``step``: every ``eval_every`` steps and at the end."""
+        return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _load_state(path: Path) -> dict | None:
+    return torch.load(path, weights_only=False) if path.exists() else None
+
+
+def _save_state(path: Path, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic: a kill mid-save keeps the previous checkpoint
+
+
+def _done(root: Path, stage: str) -> bool:
+    return (root / stage / "done").exists()
+
+
+def _mark_done(root: Path, stage: str, info: dict) -> None:
+    (root / stage / "done").write_text(json.dumps(info, indent=1))
+
+
+class _Meter:
+    """Running means of named values, printed every ``every`` steps with the speed."""
+
+    def __init__(self, log: Log, stage: str, total: int, every: int):
+        self.log, self.stage, self.total, self.every = log, stage, total, every
+        self.sums: dict[str, float] = {}
+        self.n = 0
+        self.t = time.time()
+
+    def add(self, step: int, **values: float) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + float(v)
+        self.n += 1
+        if step % self.every == 0 or step == self.total:
+            dt = (time.time() - self.t) / self.n
+            vals = " ".join(f"{k}={v / self.n:.4g}" for k, v in self.sums.items())
+            eta = (self.total - step) * dt / 60
+            self.log(f"[{self.stage}] step {step}/{self.total} {vals} {dt:.2f}s/step eta {eta:.0f}min")
+            self.sums, self.n, self.t = {}, 0, time.time()
+
+
+# ----------------------------------------------------------------------------- vae
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor | None = None) -> float:
+    err = (a - b) ** 2
+    mse = err.mean() if w is None else (err * w).sum() / (w.sum() * a.shape[-3]).clamp(min=1)
+    return float(10 * torch.log10(4.0 / mse.clamp(min=1e-10)))  # range [-1, 1]: peak-to-peak 2
+
+
+def _crops(frames: torch.Tensor, alpha: torch.Tensor, rng: np.random.Generator, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``side`` crops of (N, 3, H, W) frames; half of them centred near the shape."""
+    n, _, h, w = frames.shape
+    fs, as_ = [], []
+    for i in range(n):
+        ys, xs = torch.nonzero(alpha[i] > 0.5, as_tuple=True)
+        if rng.random() < 0.5 and len(ys):
+            cy = int(ys.float().mean()) + int(rng.integers(-side // 4, side // 4 + 1))
+            cx = int(xs.float().mean()) + int(rng.integers(-side // 4, side // 4 + 1))
+            y0, x0 = min(max(cy - side // 2, 0), h - side), min(max(cx - side // 2, 0), w - side)
+        else:
+            y0, x0 = int(rng.integers(0, h - side + 1)), int(rng.integers(0, w - side + 1))
+        fs.append(frames[i, :, y0:y0 + side, x0:x0 + side])
+        as_.append(alpha[i, y0:y0 + side, x0:x0 + side])
+    return torch.stack(fs), torch.stack(as_)
+
+
+def _shape_weight(alpha: torch.Tensor, gain: float) -> torch.Tensor:
+    """1 + gain on the shape and a 2-px ring around it (its edge is where it blurs away)."""
+    ring = F.max_pool2d(alpha[:, None], 5, stride=1, padding=2)
+    return 1.0 + gain * ring
+
+
+def vae_reconstruct(vae, frames: torch.Tensor) -> torch.Tensor:
+    """(N, 3, H, W) in [-1, 1] through the VAE (posterior mean)."""
+    with torch.no_grad():
+        return vae.decode(vae.encode(frames).latent_dist.mode()).sample.clamp(-1, 1)
+
+
+def _to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """(B, T, 3, H, W) in [-1, 1] to (B, T, H, W, 3) uint8."""
+    return ((frames.permute(0, 1, 3, 4, 2) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def eval_vae(vae, clean: Clean, n: int = 24, seed: int = 999) -> dict:
+    """PSNR (all pixels, shape pixels) and the analyzer's adherence on reconstructed clips."""
+    data = ShapesData(clean, seed, "all")
+    b = data.batch(n)
+    x = b.frames.flatten(0, 1)
+    y = torch.cat([vae_reconstruct(vae, x[i:i + 64]) for i in range(0, len(x), 64)])
+    w = b.alpha.flatten(0, 1)[:, None]
+    clips = _to_uint8(y.view_as(b.frames))
+    adh = adherence.adherence([adherence.analyze(c) for c in clips], b.specs)
+    return {"psnr": _psnr(y, x), "psnr_shape": _psnr(y, x, w), **{k: round(v, 3) for k, v in adh.items()}}
+
+
+def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 32, shape_gain: float = 20.0,
+              kl: float = 1e-6, channels: tuple[int, int, int] = (32, 64, 64)) -> StageResult:
+    stage = "vae"
+    if _done(root, stage):
+        log(f"[{stage}] done already: {root / stage / 'model'}")
+        return StageResult()
+    torch.manual_seed(cfg.seed)
+    vae = nets.build_vae(channels)
+    opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0)
+    data = ShapesData(clean, cfg.seed, "all")
+    step = 0
+    state = _load_state(root / stage / "state.pt")
+    if state:
+        vae.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        data.rng, step = state["rng"], state["step"]
+        if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
+            torch.set_rng_state(state["torch_rng"])
+        log(f"[{stage}] resumed at step {step}")
+    log(f"[{stage}] AutoencoderKL {nets.count(vae) / 1e6:.2f} M params, batch {cfg.batch} crops of {crop}px")
+    meter = _Meter(log, stage, cfg.steps, cfg.log_every)
+    losses: list[float] = []
+    vae.train()
+    while step < cfg.steps:
+        step += 1
+        b = data.batch(max(1, cfg.batch // shapes.FRAMES))
+        x, a = _crops(b.frames.flatten(0, 1), b.alpha.flatten(0, 1), data.rng, crop)
+        lr = cfg.lr * min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        post = vae.encode(x).latent_dist
+        y = vae.decode(post.sample()).sample
+        w = _shape_weight(a, shape_gain)
+        rec = ((y - x) ** 2 * w).sum() / (w.sum() * 3) + 0.5 * ((y - x).abs() * w).sum() / (w.sum() * 3)
+        loss = rec + kl * post.kl().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        meter.add(step, loss=loss.item(), psnr=_psnr(y.detach(), x), psnr_shape=_psnr(y.detach(), x, a[:, None]))
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            _save_state(root / stage / "state.pt", {"model": vae.state_dict(), "opt": opt.state_dict(), "rng": data.rng, "step": step,
+                                                    "torch_rng": torch.get_rng_state()})
+        if cfg.eval_due(step):
+            vae.eval()
+            log(f"[{stage}] eval step {step}: {eval_vae(vae, clean)}")
+            vae.train()
+    vae.eval()
+    with torch.no_grad():  # latents' spread, for the scaling factor
+        b = ShapesData(clean, cfg.seed + 1, "all").batch(16)
+        z = vae.encode(b.frames.flatten(0, 1)).latent_dist.mode()
+    scale = float(1.0 / z.std())
+    vae.register_to_config(scaling_factor=scale)
+    vae.save_pretrained(root / stage / "model")
+    info = {"step": step, "scaling_factor": scale, **(eval_vae(vae, clean, n=48) if cfg.eval_every else {})}
+    _mark_done(root, stage, info)
+    log(f"[{stage}] saved {root / stage / 'model'}: {info}")
+    return StageResult(losses)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def tokenize(tokenizer, captions: list[str]) -> torch.Tensor:
+    """Token ids, padded to the tokenizer's max length as the pipeline pads them."""
+    return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                     return_tensors="pt").input_ids
+
+
+class AttributeHeads(torch.nn.Module):
+    """One linear classifier per attribute over the text encoder's hidden states."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, len(shapes.VOCAB[a])) for a in shapes.ATTRIBUTES)
+
+    def loss_and_acc(self, hidden: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor, eos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean cross-entropy over the positions from the first end token on, and per-attribute
+        accuracy of the first end token's reading."""
+        first = (ids == eos).int().argmax(dim=1)
+        pos = torch.arange(ids.shape[1])[None, :]
+        mask = (pos >= first[:, None]).float()
+        losses, accs = [], []
+        for i, head in enumerate(self.heads):
+            logits = head(hidden)  # (B, L, V)
+            ce = F.cross_entropy(logits.transpose(1, 2), labels[:, i:i + 1].expand(-1, ids.shape[1]), reduction="none")
+            losses.append((ce * mask).sum() / mask.sum())
+            pred = logits[torch.arange(len(ids)), first].argmax(-1)
+            accs.append((pred == labels[:, i]).float().mean())
+        return torch.stack(losses).mean(), torch.stack(accs)
+
+
+def eval_text(text_encoder, tokenizer, heads: AttributeHeads, clean: Clean) -> dict:
+    """Accuracy per attribute over every caption of the grammar (both languages, held-out too)."""
+    data = ShapesData(clean, 0, "all")
+    specs = shapes.all_specs()
+    caps = [data.cleaned(shapes.caption(s, lang)) for lang in ("en", "zh") for s in specs]
+    from .data import labels_of
+
+    labels = torch.tensor([labels_of(s) for _ in ("en", "zh") for s in specs])
+    accs = []
+    with torch.no_grad():
+        for i in range(0, len(caps), 200):
+            ids = tokenize(tokenizer, caps[i:i + 200])
+            _, acc = heads.loss_and_acc(text_encoder(ids)[0], ids, labels[i:i + 200], tokenizer.eos_token_id)
+            accs.append(acc * len(ids))
+    acc = torch.stack(accs).sum(0) / len(caps)
+    return dict(zip(shapes.ATTRIBUTES, [round(float(a), 4) for a in acc]))
+
+
+def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log) -> StageResult:
+    stage = "text"
+    if _done(root, stage):
+        log(f"[{stage}] done already: {root / stage / 'model'}")
+        return StageResult()
+    torch.manual_seed(cfg.seed)
+    te, tok = nets.build_text_encoder(), nets.build_tokenizer()
+    heads = AttributeHeads(nets.TEXT_WIDTH)
+    params = list(te.parameters()) + list(heads.parameters())
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    # every caption of the grammar is a valid training input for the classifier (the held-out
+    # split is over clips, and the text encoder must read held-out prompts too)
+    data = ShapesData(clean, cfg.seed, "all")
+    step = 0
+    state = _load_state(root / stage / "state.pt")
+    if state:
+        te.load_state_dict(state["model"])
+        heads.load_state_dict(state["heads"])
+        opt.load_state_dict(state["opt"])
+        data.rng, step = state["rng"], state["step"]
+        if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
+            torch.set_rng_state(state["torch_rng"])
+        log(f"[{stage}] resumed at step {step}")
+    log(f"[{stage}] CLIPTextModel {nets.count(te) / 1e6:.3f} M params, batch {cfg.batch}")
+    meter = _Meter(log, stage, cfg.steps, cfg.log_every)
+    losses: list[float] = []
+    te.train()
+    while step < cfg.steps:
+        step += 1
+        b = data.batch(cfg.batch, render=False)
+        ids = tokenize(tok, b.captions)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, step / 50)
+        loss, acc = heads.loss_and_acc(te(ids)[0], ids, b.labels, tok.eos_token_id)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss.item())
+        meter.add(step, loss=loss.item(), acc=acc.mean().item())
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            _save_state(root / stage / "state.pt", {"model": te.state_dict(), "heads": heads.state_dict(),
+                                                    "opt": opt.state_dict(), "rng": data.rng, "step": step,
+                                                    "torch_rng": torch.get_rng_state()})
+    te.eval()
+    info = {"step": step, **(eval_text(te, tok, heads, clean) if cfg.eval_every else {})}
+    te.save_pretrained(root / stage / "model")
+    tok.save_pretrained(root / stage / "model")
+    torch.save(heads.state_dict(), root / stage / "heads.pt")
+    _mark_done(root, stage, info)
+    log(f"[{stage}] saved {root / stage / 'model'}: accuracy {info}")
+    return StageResult(losses)
+
+
+# ----------------------------------------------------------------------------- teacher
+
+
+class TextCache:
+    """Frozen text encoder hidden states per caption (the grammar has 1,800, plus '')."""
+
+    def __init__(self, text_encoder, tokenizer):
+        self.te, self.tok = text_encoder, tokenizer
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def __call__(self, captions: list[str]) -> torch.Tensor:
+        new = [c for c in dict.fromkeys(captions) if c not in self.cache]
+        if new:
+            with torch.no_grad():
+                hidden = self.te(tokenize(self.tok, new))[0]
+            self.cache.update(zip(new, hidden))
+        return torch.stack([self.cache[c] for c in captions])
+
+
+def encode_latents(vae, frames: torch.Tensor) -> torch.Tensor:
+    """(B, T, 3, H, W) in [-1, 1] to scaled latents (B, C, T, h, w), the UNetMotionModel layout."""
+    b, t = frames.shape[:2]
+    with torch.no_grad():
+        z = vae.encode(frames.flatten(0, 1)).latent_dist.mode() * vae.config.scaling_factor
+    return z.view(b, t, *z.shape[1:]).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def decode_latents(vae, z: torch.Tensor) -> np.ndarray:
+    """Scaled latents (B, C, T, h, w) to (B, T, H, W, 3) uint8."""
+    b, _, t = z.shape[:3]
+    flat = z.permute(0, 2, 1, 3, 4).flatten(0, 1) / vae.config.scaling_factor
+    with torch.no_grad():
+        x = torch.cat([vae.decode(flat[i:i + 64]).sample for i in range(0, len(flat), 64)])
+    return _to_uint8(x.clamp(-1, 1).view(b, t, *x.shape[1:]))
+
+
+def sample(unet, scheduler, cond: torch.Tensor, uncond: torch.Tensor, steps: int, guidance: float,
+           generator: torch.Generator, frames: int = shapes.FRAMES) -> torch.Tensor:
+    """DDIM (the schedule's own spacing) with classifier-free guidance; returns scaled latents."""
+    b = len(cond)
+    sched = copy.deepcopy(scheduler)
+    sched.set_timesteps(steps)
+    x = torch.randn((b, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE), generator=generator)
+    x = x * sched.init_noise_sigma
+    ehs = torch.cat([cond, uncond.expand(b, -1, -1)]).repeat_interleave(frames, dim=0)
+    with torch.no_grad():
+        for t in sched.timesteps:
+            inp = sched.scale_model_input(torch.cat([x, x]), t)
+            out = unet(inp, t, encoder_hidden_states=ehs).sample
+            c, u = out.chunk(2)
+            x = sched.step(u + guidance * (c - u), t, x).prev_sample
+    return x
+
+
+def eval_teacher(unet, vae, text: TextCache, scheduler, clean: Clean, n: int = 16, steps: int = 25,
+                 guidance: float = 3.0, seed: int = 4242) -> dict:
+    """Adherence of sampled clips on ``n`` train-split and ``n`` held-out prompts (fixed seeds)."""
+    out = {}
+    for split in ("train", "heldout"):
+        data = ShapesData(clean, seed, split)  # type: ignore[arg-type]
+        b = data.batch(n, render=False)
+        g = torch.Generator().manual_seed(seed)
+        z = sample(unet, scheduler, text(b.captions), text([""]), steps, guidance, g)
+        clips = decode_latents(vae, z)
+        adh = adherence.adherence([adherence.analyze(c) for c in clips], b.specs)
+        out[split] = {k: round(v, 3) for k, v in adh.items()}
+    return out
+
+
+@dataclass
+class Probe:
+    """A fixed batch for a probe loss: latents, their captions' text states, timesteps spread
+    over the schedule, and noise, all from their own seeds (the training's RNG is untouched)."""
+
+    z0: torch.Tensor
+    cond: torch.Tensor  # (n, tokens, dim), not repeated per frame
+    t: torch.Tensor
+    noise: torch.Tensor
+
+    @classmethod
+    def make(cls, vae, text: TextCache, clean: Clean, n: int = 4, seed: int = 77, t_max: int = 1000) -> Probe:
+        b = ShapesData(clean, seed, "train").batch(n)
+        z0 = encode_latents(vae, b.frames)
+        g = torch.Generator().manual_seed(seed)
+        t = ((torch.arange(n) + 0.5) * t_max / n).long()
+        return cls(z0, text(b.captions), t, torch.randn(z0.shape, generator=g))
+
+
+def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, scheduler,
+                 min_snr: float) -> torch.Tensor:
+    """The teacher's loss: v-prediction MSE with min-SNR weighting, ``min(SNR, min_snr) / (SNR + 1)``."""
+    acp = scheduler.alphas_cumprod
+    zt = scheduler.add_noise(z0, noise, t)
+    target = scheduler.get_velocity(z0, noise, t)
+    snr = acp[t] / (1 - acp[t])
+    weight = (snr.clamp(max=min_snr) / (snr + 1)).view(-1, 1, 1, 1, 1)
+    pred = unet(zt, t, encoder_hidden_states=cond.repeat_interleave(z0.shape[2], dim=0)).sample
+    return (weight * (pred - target) ** 2).mean()
+
+
+def export_pipeline(dest: Path, unet, vae, text_encoder, tokenizer, scheduler) -> None:
+    """Save an AnimateDiffPipeline folder (diffusers format) with these parts."""
+    from diffusers import AnimateDiffPipeline
+
+    pipe = AnimateDiffPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
+                               motion_adapter=None, scheduler=scheduler)
+    pipe.save_pretrained(dest)
+
+
+def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log, cfg_drop: float = 0.1,
+                  min_snr: float = 5.0, ema_decay: float = 0.999, channels: tuple[int, int, int] = (32, 64, 128)) -> StageResult:
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    stage = "teacher"
+    if _done(root, stage):
+        log(f"[{stage}] done already: {root / stage / 'pipeline'}")
+        return StageResult()
+    torch.manual_seed(cfg.seed)
+    vae = AutoencoderKL.from_pretrained(root / "vae" / "model").eval().requires_grad_(False)
+    te = CLIPTextModel.from_pretrained(root / "text" / "model").eval().requires_grad_(False)
+    tok = CLIPTokenizer.from_pretrained(root / "text" / "model")
+    text = TextCache(te, tok)
+    scheduler = nets.build_scheduler()
+    unet = nets.build_unet(channels)
+    ema = copy.deepcopy(unet).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=0.0)
+    data = ShapesData(clean, cfg.seed, "train")
+    step = 0
+    state = _load_state(root / stage / "state.pt")
+    if state:
+        unet.load_state_dict(state["model"])
+        ema.load_state_dict(state["ema"])
+        opt.load_state_dict(state["opt"])
+        data.rng, step = state["rng"], state["step"]
+        if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
+            torch.set_rng_state(state["torch_rng"])
+        log(f"[{stage}] resumed at step {step}")
+    log(f"[{stage}] UNetMotionModel {nets.count(unet) / 1e6:.2f} M params, batch {cfg.batch} clips, "
+        f"latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}")
+    probe = Probe.make(vae, text, clean, seed=cfg.seed + 77)
+    result = StageResult()
+
+    def run_probe() -> None:
+        with torch.no_grad():
+            result.probe[step] = teacher_loss(unet, probe.z0, probe.cond, probe.t, probe.noise, scheduler, min_snr).item()
+        log(f"[{stage}] step {step} probe loss {result.probe[step]:.5f}")
+
+    run_probe()
+    meter = _Meter(log, stage, cfg.steps, cfg.log_every)
+    losses = result.losses
+    unet.train()
+    while step < cfg.steps:
+        step += 1
+        b = data.batch(cfg.batch)
+        z0 = encode_latents(vae, b.frames)
+        caps = [("" if data.rng.random() < cfg_drop else c) for c in b.captions]
+        cond = text(caps)
+        noise = torch.randn_like(z0)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (len(z0),))
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, step / 200)
+        loss = teacher_loss(unet, z0, cond, t, noise, scheduler, min_snr)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        opt.step()
+        with torch.no_grad():
+            d = min(ema_decay, (1 + step) / (10 + step))
+            for pe, p in zip(ema.parameters(), unet.parameters()):
+                pe.lerp_(p, 1 - d)
+        losses.append(loss.item())
+        meter.add(step, loss=loss.item())
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            run_probe()
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            _save_state(root / stage / "state.pt", {"model": unet.state_dict(), "ema": ema.state_dict(),
+                                                    "opt": opt.state_dict(), "rng": data.rng, "step": step,
+                                                    "torch_rng": torch.get_rng_state()})
+        if cfg.eval_due(step):
+            t0 = time.time()
+            res = eval_teacher(ema, vae, text, scheduler, clean)
+            log(f"[{stage}] eval step {step} (EMA, DDIM 25, cfg 3; {time.time() - t0:.0f}s): {json.dumps(res)}")
+            export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
+    export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
+    _mark_done(root, stage, {"step": step})
+    log(f"[{stage}] saved {root / stage / 'pipeline'}")
+    return result
+
+
+# the stages before distillation; ``recipe.STAGES`` adds ``student`` (``distill``)
+STAGES: dict[str, Callable[..., StageResult]] = {"vae": train_vae, "text": train_text, "teacher": train_teacher}

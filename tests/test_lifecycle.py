@@ -1,0 +1,417 @@
+"""Job lifecycle gaps (issue 10, section 3), each against real parts: real SQLite and PostgreSQL,
+real storage folders, real tiny-model renders, real worker threads and processes.
+
+- a storage error while writing raw frames moves the job on at once;
+- a job cancelled during post-processing keeps no files;
+- the embedded runner heartbeats its leases, and a heartbeat survives a database error;
+- the nightly lock holds no transaction open, and SQLite refuses a second nightly run;
+- one time-zone rule for `nightly --deadline` and beat;
+- counting hooks come off the model after a bench row;
+- an attempt lost with its worker does not cost the job its QC retry; lost attempts have a limit.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy import event, select
+
+from clipmill.jobs.core.batches import SubmitOptions, batch_status, submit
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.core.queue import Heartbeat, claim_group, reclaim
+from clipmill.jobs.core.states import JobState, move_job
+from clipmill.jobs.runner.embedded import run_batch
+from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
+from clipmill.qc import QCConfig
+
+REJECT_ALL = QCConfig(min_median_ssim=1.01)  # no clip's median SSIM reaches it: every render is rejected
+
+
+def make_batch(db, tmp_path, rows=1, name="b", max_attempts=2, out=None):
+    f = tmp_path / f"{name}.csv"
+    f.write_text("prompt,size,frames,tier\n" + "".join(f'"dish {i}, orbit",64,8,fast\n' for i in range(rows)))
+    return submit(db, f, SubmitOptions(batch=name, out=str(out or tmp_path / "out"), max_attempts=max_attempts))
+
+
+def jobs_and_attempts(db):
+    with db.session() as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        attempts = s.scalars(select(Attempt).order_by(Attempt.job_id, Attempt.number)).all()
+    return jobs, {j.id: [a for a in attempts if a.job_id == j.id] for j in jobs}
+
+
+def dead_owner() -> str:
+    """A worker name whose process has exited: its leases are stale at once."""
+    pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return f"{socket.gethostname()}:{int(pid.stdout)}"
+
+
+def wait_until(what, check, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    pytest.fail(f"{what}: not within {timeout} s")
+
+
+# -- a storage error while writing raw frames ------------------------------------------------------
+
+def test_a_storage_error_writing_raw_frames_moves_the_job_on_at_once(db, tmp_path):
+    """The storage root is real but cannot take the batch's files (its batch folder is a regular
+    file, so every write under it fails with NotADirectoryError; the tests run as root, where a
+    read-only folder would still be writable). The job does not sit in `rendering` until its lease
+    expires: a failed write sends it back to queued while it has attempts left, then fails it
+    with the reason."""
+    out = (tmp_path / "out").resolve()
+    out.mkdir()
+    (out / "b").write_text("not a folder")
+    res = make_batch(db, tmp_path, rows=2, max_attempts=2, out=out)
+    ctx = WorkerContext(db)
+
+    claimed = claim_group(db, "w:1", "b", size=2)
+    assert render_group(ctx, [c.attempt_id for c in claimed]) == []
+    jobs, by_job = jobs_and_attempts(db)
+    assert [(j.state, j.lease_owner) for j in jobs] == [("queued", None)] * 2  # at once, not at lease expiry
+    for j in jobs:
+        (a,) = by_job[j.id]
+        assert a.state == "failed" and a.raw_key is None
+        assert f"storing the raw frames at b/{j.id}/a1.frames.npy in {out} failed: NotADirectoryError" in a.error
+
+    stats = run_batch(ctx, "b", group_size=2)  # the second attempt: out of attempts, failed with the reason
+    assert stats.rendered == 0
+    jobs, by_job = jobs_and_attempts(db)
+    assert [j.id for j in jobs] == res.job_ids
+    for j in jobs:
+        assert j.state == "failed" and j.attempts_made == 2
+        assert j.error.startswith(f"storing the raw frames at b/{j.id}/a2.frames.npy in {out} failed: NotADirectoryError")
+        assert [a.state for a in by_job[j.id]] == ["failed", "failed"]
+
+
+# -- cancel during post-processing -----------------------------------------------------------------
+
+def rendered_job(db, tmp_path, ctx):
+    """One job rendered by a real group, its raw frames stored, waiting for post-processing."""
+    res = make_batch(db, tmp_path, rows=1, max_attempts=1)
+    (c,) = claim_group(db, "w:1", "b", size=1)
+    assert render_group(ctx, [c.attempt_id]) == [c.attempt_id]
+    folder = tmp_path / "out" / "b" / str(res.job_ids[0])
+    assert sorted(p.name for p in folder.iterdir()) == ["a1.frames.npy"]
+    return res.job_ids[0], c.attempt_id, folder
+
+
+def test_a_job_cancelled_during_post_processing_keeps_no_files(pg_url, tmp_path):
+    """The post stage has written clip, poster, contact sheet and sidecar when the job is
+    cancelled; its final move then finds the job cancelled. It deletes every file of the attempt
+    (raw frames included) and closes the attempt, instead of leaving them behind.
+
+    Deterministic: the canceller holds the job row (SELECT FOR UPDATE) from before
+    post-processing starts, so the post stage cannot record its verdict before the cancel
+    commits. PostgreSQL only: SQLite takes its one write lock for every transaction, reads
+    included, so a canceller holding it would stop the post stage before it starts, not at its
+    end; the stage's code is the same on both."""
+    db = Database(pg_url)
+    ctx = WorkerContext(db)
+    jid, attempt_id, folder = rendered_job(db, tmp_path, ctx)
+    verdict: list = []
+    with db.session() as s, s.begin():
+        s.execute(select(Job.id).where(Job.id == jid).with_for_update())
+        post = threading.Thread(target=lambda: verdict.append(post_attempt(ctx, attempt_id)))
+        post.start()
+        wait_until("the sidecar written", lambda: (folder / "a1.json").exists(), timeout=120)
+        assert post.is_alive()  # waiting for the row
+        move_job(s, jid, JobState.POST, JobState.CANCELLED, lease_owner=None, lease_expires_at=None)  # cancel's move
+    post.join(60)
+    assert verdict == [None]
+    assert list(folder.iterdir()) == []  # no clip, poster, sheet, sidecar or raw frames
+    jobs, by_job = jobs_and_attempts(db)
+    assert jobs[0].state == "cancelled"
+    (a,) = by_job[jid]
+    assert (a.state, a.error, a.clip_key, a.raw_key) == (
+        "failed", "dropped: the job was cancelled during post-processing", None, None)
+    db.dispose()
+
+
+def test_cancel_cleans_the_files_of_rendered_and_rendering_attempts(db, tmp_path):
+    """`clipmill cancel` after a render and before its post-processing (a farm whose post
+    message is still queued, or an embedded run that died) deletes the raw frames and closes
+    the attempt; a post stage that runs later does nothing and writes nothing. A job cancelled
+    while rendering stores nothing either."""
+    from clipmill.jobs.core.operations import cancel
+
+    ctx = WorkerContext(db)
+    jid, attempt_id, folder = rendered_job(db, tmp_path, ctx)
+    assert cancel(db, str(jid)) == [jid]
+    assert list(folder.iterdir()) == []
+    assert post_attempt(ctx, attempt_id) is None
+    assert list(folder.iterdir()) == []
+    _, by_job = jobs_and_attempts(db)
+    assert [(a.state, a.error) for a in by_job[jid]] == [("failed", "cancelled by an operator")]
+
+    res = make_batch(db, tmp_path, rows=1, name="c", max_attempts=1)
+    (c,) = claim_group(db, "w:1", "c", size=1)
+    assert cancel(db, "c") == res.job_ids
+    assert render_group(ctx, [c.attempt_id]) == []
+    assert not (tmp_path / "out" / "c").exists() or not list((tmp_path / "out" / "c").rglob("*"))
+    _, by_job = jobs_and_attempts(db)
+    assert [a.state for a in by_job[res.job_ids[0]]] == ["failed"]
+
+
+# -- heartbeats ------------------------------------------------------------------------------------
+
+class Steps:
+    """Progress events of an embedded run (what the CLI's progress bar gets). At the first
+    denoising step it waits until the group's first lease has run out, then lets a concurrent
+    process take back what it can (what `run`, `nightly` and `reconcile` all do first)."""
+
+    def __init__(self, db, url):
+        self.db, self.url, self.taken_back, self.waited = db, url, None, False
+
+    def group_started(self, size, steps): pass
+    def rendered(self, n): pass
+    def checked(self, verdict): pass
+
+    def step(self, done, total):
+        if self.waited:
+            return
+        self.waited = True
+        with self.db.session() as s:
+            first_lease = min(s.scalars(select(Job.lease_expires_at).where(Job.state == "rendering")))
+        if first_lease.tzinfo is None:
+            first_lease = first_lease.replace(tzinfo=timezone.utc)
+        while datetime.now(timezone.utc) <= first_lease:  # the render outlasts the lease it was claimed with
+            time.sleep(0.05)
+        time.sleep(0.5)
+        other = Database(self.url)  # another process's pool
+        try:
+            self.taken_back = reclaim(other, "b")
+        finally:
+            other.dispose()
+
+
+def test_an_embedded_group_longer_than_its_lease_is_never_taken_back(db, tmp_path):
+    make_batch(db, tmp_path, rows=2, max_attempts=1)
+    events = Steps(db, db.url)
+    stats = run_batch(WorkerContext(db, qc_config=REJECT_ALL), "b", group_size=2, events=events, lease_s=3)
+    assert events.waited and events.taken_back == []
+    jobs, by_job = jobs_and_attempts(db)
+    assert stats.groups == 1 and stats.rendered == 2
+    assert [(j.state, j.attempts_made, j.attempts_lost) for j in jobs] == [("rejected", 1, 0)] * 2
+    assert all([a.state for a in by_job[j.id]] == ["rejected"] for j in jobs)
+
+
+@pytest.fixture
+def blocking(db_url):
+    """A real transient database error for the heartbeat: another connection holds the job
+    table's write lock, and the heartbeat's own connections give up waiting after 0.2 s
+    (PostgreSQL: lock_timeout; SQLite: busy_timeout), as a database restarting or overloaded does."""
+    if db_url.startswith("sqlite"):
+        hb_db = Database(db_url, upgrade=False)
+
+        @event.listens_for(hb_db.engine, "connect")
+        def _short_wait(dbapi_conn, _record):
+            dbapi_conn.execute("PRAGMA busy_timeout=200")
+
+        def hold(s):
+            s.execute(sa.text("UPDATE jobs SET priority = priority"))  # inside BEGIN IMMEDIATE: the write lock
+    else:
+        hb_db = Database(db_url.replace("options=", "options=-clock_timeout%3D200%20"), upgrade=False)
+
+        def hold(s):
+            s.execute(sa.text("LOCK TABLE jobs IN ACCESS EXCLUSIVE MODE"))
+    yield hb_db, hold
+    hb_db.dispose()
+
+
+def test_a_heartbeat_survives_a_transient_database_error(db, tmp_path, blocking):
+    hb_db, hold = blocking
+    make_batch(db, tmp_path, rows=1)
+    (c,) = claim_group(db, "w:1", "b", size=1, lease_s=60)
+
+    def lease():
+        with db.session() as s:
+            return s.scalar(select(Job.lease_expires_at).where(Job.id == c.job_id))
+
+    with Heartbeat(hb_db, [c.job_id], "w:1", lease_s=60, every=0.3) as hb:
+        wait_until("a first renewal", lambda: hb.beats >= 1)
+        with db.session() as s, s.begin():
+            hold(s)
+            wait_until("a renewal failing on the lock", lambda: hb.errors >= 1)
+            before = s.scalar(select(Job.lease_expires_at).where(Job.id == c.job_id))
+        assert hb.thread.is_alive()
+        beats = hb.beats
+        wait_until("renewals again once the database answers", lambda: hb.beats >= beats + 2)
+    assert lease() > before
+
+
+# -- the nightly lock ------------------------------------------------------------------------------
+
+def test_the_nightly_lock_holds_no_transaction_open(pg_url):
+    """The lock's session sits `idle`, not `idle in transaction`: a server that ends sessions
+    idle in a transaction (here after 0.3 s) cannot drop it, and a second run is still refused
+    long after that."""
+    from clipmill.jobs.farm.nightly import NIGHTLY_LOCK, NightlyRunning, single_run
+
+    strict = pg_url.replace("options=", "options=-cidle_in_transaction_session_timeout%3D300%20")
+    db, other = Database(strict), Database(pg_url)
+    try:
+        with single_run(db):
+            with other.session() as s:
+                states = s.execute(sa.text(
+                    "SELECT a.state FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                    "WHERE l.locktype = 'advisory' AND l.classid = :k AND l.granted "
+                    "AND l.objid::int = hashtext(current_schema())"), {"k": NIGHTLY_LOCK}).scalars().all()
+            assert states == ["idle"]
+            time.sleep(1.0)  # past the server's timeout
+            with pytest.raises(NightlyRunning, match="another nightly run is in progress on this database"):
+                with single_run(other):
+                    pass
+        with single_run(other):  # released when the first run ends
+            pass
+    finally:
+        db.dispose()
+        other.dispose()
+
+
+def test_a_second_nightly_run_on_sqlite_is_refused(sqlite_url, tmp_path):
+    from clipmill.jobs.farm.nightly import single_run
+
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url)
+    env.pop("CLIPMILL_BROKER_URL", None)
+    args = [sys.executable, "-m", "clipmill.jobs.cli", "nightly", "--deadline", "+60", "--out", str(tmp_path / "out")]
+    db = Database(sqlite_url)
+    with single_run(db):
+        proc = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0
+        lock = tmp_path / "clipmill.db.nightly.lock"
+        assert (f"another nightly run is in progress on this database (it holds {lock}); this one stops. "
+                "On SQLite one nightly run works a database file at a time.") in proc.stderr
+        assert "Traceback" not in proc.stderr
+    proc = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr  # free again once the first run ended
+    db.dispose()
+
+
+# -- one time-zone rule ----------------------------------------------------------------------------
+
+def test_nightly_deadline_and_beat_use_one_time_zone(sqlite_url, tmp_path):
+    """The host is in New York, CLIPMILL_TIMEZONE says Tokyo: `clipmill nightly --deadline 07:00`
+    means 07:00 in Tokyo, the zone beat schedules CLIPMILL_NIGHTLY_AT in and the beat-started
+    task reads its deadline in. Without CLIPMILL_TIMEZONE, both use the host's zone."""
+    from zoneinfo import ZoneInfo
+
+    from clipmill.jobs.core.settings import Settings
+    from clipmill.jobs.farm.app import make_app
+    from clipmill.jobs.farm.nightly import parse_deadline
+
+    for zone, host in (("Asia/Tokyo", "America/New_York"), (None, "America/New_York")):
+        env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url, TZ=host)
+        env.pop("CLIPMILL_BROKER_URL", None)
+        env.pop("CLIPMILL_TIMEZONE", None)
+        if zone:
+            env["CLIPMILL_TIMEZONE"] = zone
+        script = ("from clipmill.jobs.core.settings import Settings; from clipmill.jobs.farm.app import make_app; "
+                  "s = Settings.from_env(); print(make_app(s).conf.timezone)")
+        beat_zone = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                   check=True).stdout.strip()
+        assert beat_zone == (zone or host)
+        proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "nightly", "--deadline", "07:00", "--out",
+                               str(tmp_path / "out")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        line = next(x for x in proc.stderr.splitlines() if x.startswith("nightly run until "))
+        until = datetime.fromisoformat(line.split()[3])
+        expected = parse_deadline("07:00", beat_zone)
+        assert until.utcoffset() == expected.utcoffset() == datetime.now(ZoneInfo(beat_zone)).utcoffset()
+        assert (until.hour, until.minute) == (7, 0)
+    settings = Settings.from_env({"CLIPMILL_TIMEZONE": "Asia/Tokyo", "CLIPMILL_NIGHTLY_AT": "21:00"})
+    app = make_app(settings)
+    assert app.conf.timezone == settings.timezone == "Asia/Tokyo"
+    with pytest.raises(ValueError, match="time zone 'Mars/Base': not a time zone name"):
+        parse_deadline("07:00", "Mars/Base")
+
+
+# -- counting hooks --------------------------------------------------------------------------------
+
+def hooks_on(model) -> list[str]:
+    """Every torch forward hook and diffusers hook left on ``model`` or its submodules."""
+    found = []
+    for name, m in model.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks"):
+            found += [f"{name or 'model'}.{kind}"] * len(getattr(m, kind))
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            found += [f"{name or 'model'}: {h}" for h in registry.hooks]
+    return found
+
+
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny"])
+def test_counting_hooks_come_off_the_model_after_a_bench_row(model, tiny_cache):
+    """A bench row counts the work it skips (DiT blocks run and skipped, K/V projections,
+    DeepCache's blocks); the hooks that count are off the model when the row ends, and every
+    speed layer's hooks when the renderer closes."""
+    from clipmill.jobs.bench.ladder import ladder, requests, run_rows
+    from clipmill.pipeline.models import model_info
+    from clipmill.pipeline.render import Renderer
+
+    info = model_info(model)
+    frames = 9 if model == "tiny-wan" else 8
+    renderer = Renderer(info)
+    try:
+        rows = {r.row: r for r in ladder(info, (64, 64), frames, 1.0, "none")}
+        for key in ("2", "4"):  # plain 6 steps, then with the feature cache
+            row = rows[key]
+            row.clips = 1
+            run_rows(renderer, [row], requests(info, (64, 64), frames, 1), "cpu", repeat=1)
+            counted = row.out["work"]
+            if model == "tiny-wan":
+                assert counted["blocks_run"] > 0  # the counters counted ...
+            torch_hooks = [h for h in hooks_on(renderer.denoiser) if "_forward" in h]
+            assert torch_hooks == []  # ... and are gone after the row
+        if model == "tiny":
+            assert row.out["work"]["blocks_skipped"] > 0  # DeepCache counted what it skipped
+    finally:
+        renderer.close()
+    assert hooks_on(renderer.denoiser) == []
+
+
+# -- lost attempts ---------------------------------------------------------------------------------
+
+def test_an_attempt_lost_with_its_worker_does_not_cost_the_qc_retry(db, tmp_path):
+    """max_attempts 2: attempt 1 dies with its worker (a dead process's lease), attempt 2 is
+    rejected by QC, and the job still gets its QC retry at the quality tier (attempt 3)."""
+    res = make_batch(db, tmp_path, rows=1, max_attempts=2)
+    claim_group(db, dead_owner(), "b", size=1)
+    stats = run_batch(WorkerContext(db, qc_config=REJECT_ALL), "b")
+    assert stats.reclaimed == res.job_ids
+    jobs, by_job = jobs_and_attempts(db)
+    (job,) = jobs
+    assert (job.state, job.attempts_made, job.attempts_lost) == ("rejected", 3, 1)
+    assert [(a.number, a.state, a.tier) for a in by_job[job.id]] == [
+        (1, "failed", "fast"), (2, "rejected", "fast"), (3, "rejected", "quality")]
+    assert by_job[job.id][0].error.startswith("abandoned: worker ")
+    row = batch_status(db, "b")["rows"][0]
+    assert row["out_of_attempts"] and row["attempts_lost"] == 1
+
+
+def test_a_job_that_keeps_losing_its_worker_fails_after_max_lost(db, tmp_path):
+    """A poison job that kills its worker every time is not retried for ever: it is failed when
+    it has lost the batch's max_lost attempts (3), whatever max_attempts (2) says, with the reason."""
+    make_batch(db, tmp_path, rows=1, max_attempts=2)
+    for n in (1, 2, 3):
+        (c,) = claim_group(db, f"nohost.invalid:{n}", "b", size=1, lease_s=-1)  # a lease already expired
+        assert reclaim(db, "b") == [c.job_id]
+        jobs, by_job = jobs_and_attempts(db)
+        assert (jobs[0].state, jobs[0].attempts_lost) == ("queued" if n < 3 else "failed", n)
+    assert jobs[0].error == ("worker lost 3 times (max_lost 3): the job may kill its worker; "
+                             "last worker nohost.invalid:3")
+    assert [a.state for a in by_job[jobs[0].id]] == ["failed"] * 3
+    assert claim_group(db, "w:1", "b") == []  # never claimed again

@@ -1,0 +1,108 @@
+"""The shapes world keeps its conventions, and the adherence analyzer reads its clips."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clipmill.pipeline import shapes
+from clipmill.qc import adherence
+
+
+def _clips(n: int, seed: int, split: str = "all"):
+    rng = np.random.default_rng(seed)
+    specs = shapes.sample_specs(rng, n, split)  # type: ignore[arg-type]
+    return [(s, shapes.render(s, int(rng.integers(2**31)))) for s in specs]
+
+
+def test_grammar_and_split():
+    assert len(shapes.all_specs()) == 900
+    assert len(shapes.HELD_OUT) == 20  # of 100 (colour, motion, camera) combinations
+    assert len(shapes.split_specs("train")) + len(shapes.split_specs("heldout")) == 900
+    held = shapes.split_specs("heldout")
+    for attr in ("colour", "motion", "camera"):  # every value is still seen in training
+        assert {getattr(s, attr) for s in shapes.split_specs("train")} == set(shapes.VOCAB[attr])
+    assert all(shapes.is_held_out(s) for s in held)
+    spec = shapes.Spec("red", "circle", "moves left", "black", "pan right")
+    assert shapes.caption_en(spec) == "a red circle moves left on a black background, pan right"
+    assert shapes.caption_zh(spec) == "红色圆形向左移动，黑色背景，右摇"
+    with pytest.raises(ValueError):
+        shapes.Spec("purple", "circle", "moves left", "black", "pan right")
+
+
+def test_render_is_deterministic_and_shaped():
+    spec = shapes.Spec("blue", "triangle", "stays still", "beige", "zoom in")
+    a, b = shapes.render_clip(spec, 3), shapes.render_clip(spec, 3)
+    assert a.shape == (shapes.FRAMES, shapes.SIZE, shapes.SIZE, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, shapes.render_clip(spec, 4))
+
+
+def test_motion_conventions():
+    side = shapes.SIZE
+    for spec, clip in _clips(120, 1):
+        c = clip.centres
+        _, z = shapes.camera_path(spec.camera, shapes.FRAMES, abs(clip.layout.pan), clip.layout.zoom)
+        half = (clip.layout.size * z / 2)[:, None]
+        assert (c - half >= 0).all() and (c + half <= side).all(), spec  # stays in frame
+        assert clip.alpha.sum(axis=(1, 2)).min() > 20  # the shape is visible in every frame
+        if spec.motion != "stays still":
+            assert clip.layout.travel >= 0.10 * side
+            d = np.array(shapes._DIRECTION[spec.motion])
+            assert (c[-1] - c[0]) @ d >= 0.10 * side, spec  # on screen, the same way
+        if spec.camera.startswith("pan"):
+            assert abs(clip.layout.pan) >= 0.05 * side
+            # per frame the background moves less than half the texture's period
+            assert abs(clip.layout.pan) / (shapes.FRAMES - 1) < clip.layout.period / 2
+
+
+def test_pan_right_drifts_background_left_and_zoom_pushes_outward():
+    spec = shapes.Spec("red", "square", "stays still", "grey", "pan right")
+    clip = shapes.render(spec, 11)
+    assert clip.centres[-1, 0] < clip.centres[0, 0] - 0.05 * shapes.SIZE  # fixed to the background
+    a = adherence.analyze(clip.frames)
+    assert a.pan < -0.05 and a.camera == "pan right"
+    spec = shapes.Spec("red", "square", "stays still", "grey", "zoom in")
+    for seed in range(20):
+        clip = shapes.render(spec, seed)
+        off = clip.centres[0] - shapes.SIZE / 2
+        if np.abs(off).max() > 8:
+            assert np.linalg.norm(clip.centres[-1] - shapes.SIZE / 2) > np.linalg.norm(off) + 2
+            return
+    pytest.fail("no off-centre still shape in 20 seeds")
+
+
+def test_colours_apart():
+    lab = adherence._lab(np.array([shapes.BACKGROUND_RGB[b] for b in shapes.BACKGROUNDS], np.float32))
+    beige, grey = lab[2], lab[1]
+    white = adherence._lab(np.array(shapes.COLOUR_RGB["white"], np.float32))
+    assert 30 < beige[0] < 80  # a mid-tone
+    assert beige[2] > 15 and abs(grey[2]) < 3  # warm (yellow-ward b*), grey is neutral
+    assert np.linalg.norm(beige - white) > 25 and np.linalg.norm(beige - grey) > 20
+    assert 45 < grey[0] < 60  # mid grey
+
+
+def test_analyzer_reads_the_world(tmp_path):
+    from clipmill.pipeline.video import decode, encode_h264
+
+    clips = _clips(200, 2024)
+    raw = [adherence.analyze(c.frames) for _, c in clips]
+    specs = [s for s, _ in clips]
+    acc = adherence.adherence(raw, specs)
+    assert min(acc.values()) >= 0.99, acc
+    coded = []
+    for i, (_, c) in enumerate(clips[:60]):
+        encode_h264(c.frames, shapes.FPS, tmp_path / "c.mp4")
+        coded.append(adherence.analyze(decode(tmp_path / "c.mp4")[0]))
+    acc = adherence.adherence(coded, specs[:60])
+    assert min(acc.values()) >= 0.99, acc
+
+
+def test_analyzer_takes_more_frames_and_larger_sizes():
+    import cv2
+
+    spec = shapes.Spec("yellow", "circle", "moves up", "black", "pan left")
+    frames = shapes.render_clip(spec, 5)
+    up = np.repeat(frames, 3, axis=0)  # 24 fps, frame-repeated
+    up = np.stack([cv2.resize(f, (128, 128), interpolation=cv2.INTER_CUBIC) for f in up])
+    assert adherence.analyze(up).label() == spec.as_dict()

@@ -1,0 +1,200 @@
+"""Training the shapes model (issue 11): every stage learns, the student is a real LCM student of
+the teacher, a killed stage resumes exactly, and the exported folder loads through
+``from_pretrained`` as the built-in ``shapes`` model and renders at the fast tier.
+
+The stages run a few steps of tiny networks, single-threaded, on fixed seeds: deterministic.
+The VAE's and the text encoder's training losses fall (first steps against last steps). A
+diffusion loss on random timesteps swings 10x from step to step, so the teacher and the student
+are judged on their probe loss: the same loss on a fixed batch, timesteps and noise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+from clipmill.jobs.cli.train import clean_caption
+from clipmill.pipeline import models, shapes
+from clipmill.pipeline.train import distill
+from clipmill.pipeline.train.recipe import Recipe, check_root, run_all
+from clipmill.pipeline.train.stages import StageConfig, train_vae
+
+
+def _cfg(steps: int, batch: int, lr: float, log_every: int = 100) -> StageConfig:
+    return StageConfig(steps=steps, batch=batch, lr=lr, ckpt_every=100, log_every=log_every, eval_every=0, seed=0)
+
+
+TINY = Recipe(
+    name="test",
+    vae=_cfg(20, 16, 3e-3),
+    text=_cfg(16, 32, 3e-3),
+    teacher=_cfg(12, 2, 2e-2, log_every=4),  # lr warms up over 200 steps: 12 steps reach 1.2e-3
+    student=_cfg(8, 2, 3e-3, log_every=4),
+    vae_channels=(16, 16, 16),
+    unet_channels=(16, 32, 32),
+    lcm=distill.LCMConfig(solver_steps=10),  # a 10-point grid: the probe's teacher solutions stay cheap
+)
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, single_thread):
+    """Every stage of the tiny recipe, in order, under one checkpoint root."""
+    root = tmp_path_factory.mktemp("train")
+    lines: list[str] = []
+    results = run_all(root, TINY, clean_caption, lines.append)
+    return root, results, lines
+
+
+def _mean(xs):
+    return float(np.mean(xs))
+
+
+@pytest.mark.slow
+def test_every_stage_learns(trained):
+    root, results, lines = trained
+    assert list(results) == ["vae", "text", "teacher", "student"]
+    for stage in ("vae", "text"):
+        losses = results[stage].losses
+        k = len(losses) // 4
+        assert _mean(losses[-k:]) < 0.95 * _mean(losses[:k]), (stage, losses)
+    for stage in ("teacher", "student"):
+        probe = results[stage].probe
+        steps = sorted(probe)
+        assert steps[0] == 0 and steps[-1] == getattr(TINY, stage).steps
+        assert probe[steps[-1]] < 0.97 * probe[0], (stage, probe)
+    assert any(line.startswith("[student] step 8/8") for line in lines)  # progress with speed and eta
+    for stage in ("vae", "text", "teacher", "student"):
+        assert (root / stage / "done").exists() and (root / stage / "state.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_rerun_skips_finished_stages_and_refuses_another_seed(trained):
+    root, _, _ = trained
+    again = run_all(root, TINY, clean_caption, lambda m: None)
+    assert all(not r.losses for r in again.values())
+    with pytest.raises(ValueError, match="seed 1"):
+        check_root(root, TINY.with_seed(1))
+
+
+@pytest.mark.slow
+def test_the_student_is_an_lcm_distilled_from_the_teacher(trained):
+    from diffusers import LCMScheduler
+    from safetensors.torch import load_file
+
+    root, _, _ = trained
+    folder = root / "student" / "pipeline"
+    sched = LCMScheduler.from_pretrained(folder / "scheduler")
+    n = TINY.lcm.solver_steps
+    assert sched.config.prediction_type == "v_prediction" and sched.config.original_inference_steps == n
+    grid = set(range(1000 // n - 1, 1000, 1000 // n))  # the DDIM grid it was distilled on
+    for steps in (6, 8):  # the fast and quality tiers both sample subsets of it
+        sched.set_timesteps(steps)
+        assert set(sched.timesteps.tolist()) <= grid and len(sched.timesteps) == steps
+    student = load_file(folder / "unet" / "diffusion_pytorch_model.safetensors")
+    teacher = load_file(root / "teacher" / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert student.keys() == teacher.keys()
+    assert any(not torch.equal(student[k], teacher[k]) for k in student)
+    done = json.loads((root / "student" / "done").read_text())
+    assert done["lcm"] == asdict(TINY.lcm)
+
+
+def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
+    """The student is trained on c_skip x_t + c_out x0(v): LCMScheduler.step's ``denoised``."""
+    lcm = distill.LCMConfig()
+    sched = distill.lcm_scheduler({"prediction_type": "v_prediction", "beta_start": 0.00085, "beta_end": 0.012,
+                                   "num_train_timesteps": 1000}, lcm)
+    sched.set_timesteps(6)
+    g = torch.Generator().manual_seed(0)
+    acp = sched.alphas_cumprod
+    for t in sched.timesteps:
+        x, v = torch.randn((1, 4, 2, 4, 4), generator=g), torch.randn((1, 4, 2, 4, 4), generator=g)
+        out = sched.step(v, t, x, generator=torch.Generator().manual_seed(1))
+        c_skip, c_out = distill.boundary_scalings(t.view(1), lcm.timestep_scaling)
+        x0, _ = distill._x0_eps(v, x, acp[t])
+        torch.testing.assert_close(out.denoised, c_skip * x + c_out * x0, rtol=1e-4, atol=1e-5)
+    t, s = distill.grid_timesteps(torch.tensor([0, 1, 49]), lcm)
+    assert t.tolist() == [19, 39, 999] and s.tolist() == [0, 19, 979]
+
+
+def test_a_killed_stage_resumes_exactly(tmp_path, single_thread):
+    cfg = StageConfig(steps=6, batch=8, lr=3e-3, ckpt_every=2, log_every=2, eval_every=0, seed=3)
+    whole = train_vae(tmp_path / "a", cfg, clean_caption, lambda m: None, channels=(16, 16, 16)).losses
+
+    def kill_at_step_6(msg: str) -> None:
+        if "step 6/6" in msg:  # logged before step 6's checkpoint: resumes from step 4
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_vae(tmp_path / "b", cfg, clean_caption, kill_at_step_6, channels=(16, 16, 16))
+    lines: list[str] = []
+    rest = train_vae(tmp_path / "b", cfg, clean_caption, lines.append, channels=(16, 16, 16)).losses
+    assert "[vae] resumed at step 4" in lines
+    assert rest == whole[4:]
+
+
+@pytest.mark.slow
+def test_export_loads_as_the_builtin_model_and_renders_the_fast_tier(trained, tmp_path, monkeypatch):
+    from safetensors import safe_open
+
+    from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
+    from clipmill.pipeline.train.export import MAX_BYTES, export_model, folder_bytes
+
+    root, _, _ = trained
+    dest = export_model(root, tmp_path / "shapes")
+    assert folder_bytes(dest) < MAX_BYTES
+    with safe_open(dest / "unet" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float16  # stored half, rendered float32
+    meta = json.loads((dest / "clipmill.json").read_text())
+    assert meta["tiers"] == {"fast": 6, "quality": 8} and meta["training"]["stages"]["student"]["step"] == 8
+
+    monkeypatch.setattr(models, "SHAPES_DIR", dest)
+    info = models.model_info(models.SHAPES)
+    assert info.path == dest and info.family == "animatediff" and info.scheduler == "lcm"
+    assert (info.default_frames, info.native_fps, info.default_size) == (shapes.FRAMES, shapes.FPS, (64, 64))
+    assert info.max_frames == 16 and not info.is_tiny
+
+    renderer = Renderer(info)
+    assert renderer.dtype == torch.float32
+    prompt = clean_caption(shapes.caption(shapes.split_specs("heldout")[0]))
+    req = ClipRequest(key="a", prompt=prompt, seed=5, frames=info.default_frames, width=64, height=64)
+    (res,) = renderer.render([req], GroupSettings(tier="fast", sampler=info.scheduler))
+    assert res.frames.shape == (8, 64, 64, 3) and res.frames.dtype == np.uint8
+    assert res.stats["steps"] == 6 and res.fps == shapes.FPS
+    assert res.frames.std() > 0  # a decoded clip, not a constant
+
+
+def test_the_shapes_name_says_how_to_build_it_until_it_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "SHAPES_DIR", tmp_path / "absent")
+    with pytest.raises(models.ModelError, match="the shapes model is not built yet: run make demo-model"):
+        models.model_info("shapes")
+    with pytest.raises(models.ModelError, match="'shapes'"):  # listed among the names a user may pass
+        models.resolve(str(tmp_path / "nowhere"))
+
+
+def test_export_refuses_an_unfinished_training(tmp_path):
+    from clipmill.pipeline.train.export import export_model
+
+    with pytest.raises(FileNotFoundError, match="student/done is missing"):
+        export_model(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_model_rejects_an_unknown_stage(tmp_path):
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+
+    r = CliRunner().invoke(main, ["train-model", "--ckpt", str(tmp_path), "--stages", "vae,unet"])
+    assert r.exit_code == 2 and "'unet' is not a stage" in r.output
