@@ -15,7 +15,7 @@ from clipmill.jobs.core.models import Attempt, Batch, Job
 from clipmill.jobs.core.preflight import BATCH_RE, BadOption, SetupProblem, check_defaults, check_model, check_submit_options
 from clipmill.jobs.core.prompts import BatchFile, BatchInvalid, Defaults, read_batch
 from clipmill.jobs.core.states import JobState
-from clipmill.pipeline.models import TINY_MODELS, ModelInfo, load_tokenizer, model_info
+from clipmill.pipeline.models import BUILTIN_MODELS, ModelInfo, load_tokenizer, model_info
 
 DISTILLED_MAX_GUIDANCE = 6.0
 
@@ -106,7 +106,7 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
             Batch(
                 id=name,
                 source=str(path),
-                model=opts.model if opts.model in TINY_MODELS else str(Path(opts.model).expanduser().resolve()),
+                model=opts.model if opts.model in BUILTIN_MODELS else str(Path(opts.model).expanduser().resolve()),
                 sampler=opts.sampler or info.scheduler,
                 guidance=opts.guidance,
                 out=str(Path(opts.out).expanduser().resolve()) if "://" not in opts.out else opts.out,
