@@ -91,30 +91,36 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
       clipmill run --resume ad-batch-20261129-210000
     """
     from clipmill.jobs.core.batches import batch_status, batch_summary
-    from clipmill.jobs.core.preflight import (check_device, check_group_size, check_model, check_storage,
-                                              check_submit_options)
-    from clipmill.jobs.runner.embedded import run_batch
-    from clipmill.jobs.runner.stages import WorkerContext
-    from clipmill.pipeline.guidance import effective_mode
-    from clipmill.pipeline.render import RenderOptions
+    from clipmill.jobs.core.preflight import (BadOption, check_device, check_group_size, check_input_file, check_model,
+                                              check_storage, check_submit_options)
 
     if (file is None) == (resume is None):
         raise click.UsageError("give FILE or --resume BATCH (one of them)")
     with domain_errors():  # every check before the job table changes and before any render
+        # first the checks that need no torch, so that a bad option is refused at once
         check_group_size(group_size)
         if resume is None:
+            try:
+                check_input_file(file)
+            except BadOption as e:
+                raise BadOption(f"{e}; nothing submitted")
             check_submit_options(opts)
             model, guidance, root, where = opts.model, opts.guidance, opts.out, "--out"
         else:
             info = batch_summary(open_db(), resume)
             model, guidance, root, where = info["model"], info["guidance"], info["out"], f"batch {resume}'s storage"
+        check_model(model, decoder)
+        check_storage(root, where)
+        from clipmill.jobs.runner.embedded import run_batch
+        from clipmill.jobs.runner.stages import WorkerContext
+        from clipmill.pipeline.guidance import effective_mode
+        from clipmill.pipeline.render import RenderOptions
+
         try:
             effective_mode(guidance_mode, guidance)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--guidance-mode")
         device = check_device(device or default_device())
-        check_model(model, decoder)
-        check_storage(root, where)
     if resume is None:
         warn_model(opts)
         batch_id = _submit(file, opts).batch_id
