@@ -11,6 +11,7 @@ import numpy as np
 
 from clipmill.pipeline.synthetic import camera_move, photo
 from clipmill.pipeline.video import decode, encode_h264
+from clipmill.qc.boil_set import HELDOUT_SEEDS, TUNE_SEEDS, BoilClip, make_boil_set
 from clipmill.qc.check import QCConfig, check_frames
 from clipmill.qc.synth import DEFECTS, make_set
 
@@ -44,6 +45,41 @@ def confusion(cfg: QCConfig = QCConfig(), seeds=(0, 1), size=(320, 192), per_mot
         "misses": misses,
         "seeds": list(seeds),
         "size": f"{size[0]}x{size[1]}",
+    }
+
+
+def boiling_confusion(cfg: QCConfig = QCConfig(), seeds=HELDOUT_SEEDS, clips: list[BoilClip] | None = None) -> dict:
+    """QC on the independent boiling set (``qc/boil_set.py``): grainy good clips against boiling
+    ones, with the catch rate per kind of boiling region and per frame rate. Clips whose boiling
+    H.264 smoothed away ("faint") are counted apart, never as misses."""
+    clips = make_boil_set(seeds) if clips is None else clips
+    table: Counter = Counter()
+    per: Counter = Counter()
+    misses = []
+    for clip in clips:
+        res = check_frames(clip.frames, clip.fps, cfg)
+        table[(clip.label, res.verdict)] += 1
+        if clip.label == "boiling":
+            for key in (f"region {clip.meta['region']}", f"{clip.meta['fps']:g} fps" + (" (interpolated)" if clip.meta["interp"] else "")):
+                per[(key, res.verdict)] += 1
+        if clip.label != "faint" and (res.verdict == "pass") != (clip.label == "good"):
+            misses.append({"clip": f"seed{clip.meta['seed']}/{clip.name}", "verdict": res.verdict, "reasons": res.reasons,
+                           "boiling": res.metrics.get("boiling")})
+    goods = table[("good", "pass")] + table[("good", "reject")]
+    boils = table[("boiling", "reject")] + table[("boiling", "pass")]
+    keys = sorted({k for k, _ in per})
+    return {
+        "good_passed": table[("good", "pass")],
+        "good_rejected": table[("good", "reject")],
+        "boiling_caught": table[("boiling", "reject")],
+        "boiling_passed": table[("boiling", "pass")],
+        "faint": table[("faint", "pass")] + table[("faint", "reject")],
+        "catch_rate": round(table[("boiling", "reject")] / boils, 4) if boils else None,
+        "good_false_reject": round(table[("good", "reject")] / goods, 4) if goods else None,
+        "per_kind": {k: f"{per[(k, 'reject')]}/{per[(k, 'reject')] + per[(k, 'pass')]}" for k in keys},
+        "misses": misses,
+        "seeds": f"{seeds.start}-{seeds.stop - 1}" if isinstance(seeds, range) else list(seeds),
+        "held_out": not set(seeds) & set(TUNE_SEEDS),
     }
 
 

@@ -49,8 +49,16 @@ class QCConfig:
     exposure_clip: float = 0.03  # ... with the clipped-pixel fraction growing by this (first vs last quarter)
     exposure_saturation: float = 0.10  # or summed compensated saturation rise (0..1) above this
     # boiling texture: texture re-rolls every frame, so compensation cannot explain it
-    boiling_ssim: float = 0.72  # median compensated SSIM below this ...
+    boiling_ssim: float = 0.72  # strong boiling: median compensated SSIM below this ...
     boiling_hp: float = 0.7  # ... with a high-frequency residual ratio above this
+    # faint boiling (a few luma levels above the grain, over a region or on a moving object only):
+    # fine texture 1-3 px across in the compensated residual, above the noise floor the clip's own
+    # grain sets (see metrics.boiling_map). Sensor and film grain is white, so it stays under it.
+    boiling_excess: float = 2.6  # luma^2 of band-pass residual above the floor (about 2 luma of texture) ...
+    boiling_area: float = 0.015  # ... over at least this share of the frame (a small moving object) ...
+    # ... in the median sampled frame, compared with the frames this long before and after: 3 frames
+    # at 24 fps, so an 8 fps render interpolated to 24 fps shows its whole re-roll, not a third of it
+    boiling_seconds: float = 0.125
     # collapse into blur or smear
     blur_ratio: float = 0.6  # sharpness of the same content, last quarter / first quarter, below this
     # anything else: a clip that compensation cannot explain at all
@@ -289,10 +297,16 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     # 7. boiling texture
     ssim_med = float(np.median(s.ssim))
     hp_med = float(np.median(s.hp_ratio))
+    boil_med = float(np.median(s.boil)) if len(s.boil) else 0.0
     if ssim_med < cfg.boiling_ssim and hp_med > cfg.boiling_hp and not flick:
         reasons.append(
             f"boiling: frames 0-{n - 1} (median compensated SSIM {_cmp(ssim_med, '<', cfg.boiling_ssim, 2)}, "
             f"texture residual ratio {_cmp(hp_med, '>', cfg.boiling_hp, 2)})"
+        )
+    elif boil_med > cfg.boiling_excess and not flick:
+        reasons.append(
+            f"boiling: frames 0-{n - 1} (fine texture re-rolls over {cfg.boiling_area:.1%} of the frame or more: "
+            f"band-pass residual {_cmp(boil_med, '>', cfg.boiling_excess, 1)} above the clip's noise floor)"
         )
     elif ssim_med < cfg.min_median_ssim and not flick:
         reasons.append(f"unstable: frames 0-{n - 1} (median compensated SSIM {_cmp(ssim_med, '<', cfg.min_median_ssim, 2)})")
@@ -327,6 +341,7 @@ def _result(reasons: list[str], s: Series, fps: float) -> QCResult:
         "diff_mean": r(s.diff.mean()) if pair else None,
         "flow_median": r(np.median(s.flow)) if pair else None,
         "texture_residual": r(np.median(s.hp_ratio)) if pair else None,
+        "boiling": r(np.median(s.boil)) if len(s.boil) else None,
         "clipped_max": r(s.clipped.max(), 4),
         "sharpness_ratio": r(_quarters(s.sharpness)[1] / max(_quarters(s.sharpness)[0], 1e-6)),
     }
@@ -342,7 +357,7 @@ def check_frames_with_series(frames: np.ndarray, fps: float, cfg: QCConfig = QCC
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
         raise ValueError(f"frames: expected (F, H, W, 3) uint8 with F >= 1, got {frames.shape} {frames.dtype}")
     t0 = time.perf_counter()
-    series = measure(frames, cfg.max_side)
+    series = measure(frames, cfg.max_side, fps if fps and fps > 0 else 24.0, cfg.boiling_seconds, cfg.boiling_area)
     result = verdict(series, fps, cfg)
     result.metrics["width"], result.metrics["height"] = int(frames.shape[2]), int(frames.shape[1])
     result.metrics["qc_s"] = round(time.perf_counter() - t0, 4)

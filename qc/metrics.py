@@ -19,6 +19,20 @@ from clipmill.pipeline.flow import FlowEstimator, ssim_map, warp
 GRID = 12  # cells per side for local (block) residuals
 BORDER = 0.06  # fraction of each side left out of residuals: flow is unreliable at the edges
 
+# Boiling (see boiling_map). The residual is split into a fine band (finer than BOIL_FINE px) and
+# a band-pass (BOIL_FINE..BOIL_COARSE px): sensor grain is white, so almost all of its energy is
+# in the fine band and its band-pass energy is a fixed share of that (0.07 for white noise, up to
+# about 0.2 for grain clumped over half a pixel or smoothed by the warp and the codec); boiling
+# texture a few px across is mostly band-pass.
+BOIL_FINE = 1.0  # px (Gaussian sigma)
+BOIL_COARSE = 3.0  # px; coarser residual is a flow error, not texture
+BOIL_GRAIN_SHARE = 0.3  # band-pass energy allowed per unit of fine-band energy: the clip's own noise floor
+BOIL_EDGE = 0.05  # band-pass energy allowed per unit of squared content gradient (flow errors, ringing at edges)
+BOIL_WINDOW = 9  # px: the local window the energies are averaged over
+BOIL_FAIL = 30.0  # a residual above this (luma) is a flow failure (occlusion, lost object), left out ...
+BOIL_FAIL_GROW = 5  # ... with its 5x5 neighbourhood
+BOIL_SAMPLES = 12  # frames sampled per clip
+
 
 @dataclass
 class Series:
@@ -38,6 +52,8 @@ class Series:
     hp_ratio: np.ndarray  # residual high-frequency energy / frame high-frequency energy
     luma_drift: np.ndarray  # mean of warp(frame[i+1]) - frame[i]: brightness change of the same content
     sat_drift: np.ndarray  # the same for HSV saturation (0..1)
+    boil: np.ndarray  # per sampled frame: band-pass residual energy above the noise floor in its most boiling area
+    boil_frames: np.ndarray  # the sampled frames (boil[j] is measured on frame boil_frames[j])
 
     def as_lists(self) -> dict[str, list[float]]:
         return {k: [round(float(x), 4) for x in v] for k, v in self.__dict__.items()
@@ -94,7 +110,78 @@ def sharpness_trend(frames: np.ndarray, dx: np.ndarray, dy: np.ndarray, zoom: np
     return np.interp(np.arange(n), idx, out)
 
 
-def measure(frames: np.ndarray, max_side: int = 320) -> Series:
+def _lk_residual(r: np.ndarray, ref: np.ndarray, window: int, reg: float = 4.0) -> np.ndarray:
+    """``r`` less what a small local shift of ``ref`` explains (one Lucas-Kanade step per window):
+    the flow's sub-pixel misregistration of real detail is not texture that re-rolls."""
+    gx = cv2.Sobel(ref, cv2.CV_32F, 1, 0, ksize=3) / 8
+    gy = cv2.Sobel(ref, cv2.CV_32F, 0, 1, ksize=3) / 8
+    box = (window, window)
+    sxx, syy, sxy = cv2.blur(gx * gx, box) + reg, cv2.blur(gy * gy, box) + reg, cv2.blur(gx * gy, box)
+    sxr, syr = cv2.blur(gx * r, box), cv2.blur(gy * r, box)
+    det = sxx * syy - sxy * sxy
+    return r - gx * (syy * sxr - sxy * syr) / det - gy * (sxx * syr - sxy * sxr) / det
+
+
+def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator) -> np.ndarray:
+    """Per pixel of ``a`` (float32 gray): band-pass energy of the motion-compensated residual
+    against ``b`` above what grain and content edges explain, luma^2, averaged over a local window.
+
+    1. flow a -> b (DIS), b warped onto a, residual r = a - warp(b), less a local sub-pixel shift;
+    2. residuals above BOIL_FAIL (a flow failure) are left out with their neighbourhood;
+    3. r split into a fine band F (< BOIL_FINE px) and a band-pass B (BOIL_FINE..BOIL_COARSE);
+    4. excess = mean(B^2) - BOIL_GRAIN_SHARE * mean(F^2) - BOIL_EDGE * mean(|grad a|^2) over the
+       window: the noise floor is the fine-band energy measured in the same place, so heavy grain
+       raises its own allowance; windows mostly left out read 0.
+    """
+    fl = flow(np.clip(a, 0, 255).astype(np.uint8), np.clip(b, 0, 255).astype(np.uint8))
+    wb = warp(b, fl)
+    ref = 0.5 * (a + wb)
+    r = _lk_residual(a - wb, ref, BOIL_WINDOW)
+    fail = (np.abs(r) > BOIL_FAIL).astype(np.uint8)
+    valid = 1.0 - cv2.dilate(fail, np.ones((BOIL_FAIL_GROW, BOIL_FAIL_GROW), np.uint8)).astype(np.float32)
+    r *= valid
+    g1 = cv2.GaussianBlur(r, (0, 0), BOIL_FINE)
+    fine, band = r - g1, g1 - cv2.GaussianBlur(r, (0, 0), BOIL_COARSE)
+    g = cv2.GaussianBlur(ref, (0, 0), 3.0)  # content edges, without the texture itself
+    grad2 = (cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3) ** 2) / 64
+    box = (BOIL_WINDOW, BOIL_WINDOW)
+    share = cv2.blur(valid, box)
+    excess = (cv2.blur(band * band, box) - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
+    excess -= BOIL_EDGE * cv2.blur(grad2, box)
+    return np.where(share > 0.7, excess, 0.0)
+
+
+def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple) -> tuple[np.ndarray, np.ndarray]:
+    """Boiling score of up to BOIL_SAMPLES frames: each frame against the frames ``step`` before
+    and after it (the smaller of the two maps per pixel, so a region occluded on one side is seen
+    on the other), then the value exceeded by the ``area`` share of the frame's inner part.
+
+    Returns (scores, frame indices)."""
+    n = len(gray)
+    step = max(1, min(step, (n - 1) // 2)) if n > 2 else 1
+    both = n > 2 * step
+    idx = np.arange(step if both else 0, n - step)
+    if len(idx) > BOIL_SAMPLES:
+        idx = idx[np.linspace(0, len(idx) - 1, BOIL_SAMPLES).round().astype(int)]
+    scores = np.zeros(len(idx))
+
+    def run(part: np.ndarray) -> None:
+        flow = FlowEstimator("fast")
+        for j in part:
+            i = idx[j]
+            m = boiling_map(gray[i], gray[i + step], flow)
+            if both:
+                m = np.minimum(m, boiling_map(gray[i], gray[i - step], flow))
+            scores[j] = np.quantile(m[inner], 1.0 - area)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for f in [pool.submit(run, part) for part in np.array_split(np.arange(len(idx)), 2)]:
+            f.result()
+    return scores, idx
+
+
+def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_seconds: float = 0.125,
+            boil_area: float = 0.015) -> Series:
     gray, small, scale = working_copy(frames, max_side)
     n, h, w = gray.shape
     by, bx = max(1, int(h * BORDER)), max(1, int(w * BORDER))
@@ -146,8 +233,10 @@ def measure(frames: np.ndarray, max_side: int = 320) -> Series:
         for f in [pool.submit(pairs, 0, half), pool.submit(pairs, half, m)]:
             f.result()
     sharpness = sharpness_trend(frames, flow_dx, flow_dy, zoom, scale)
+    boil, boil_frames = (boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner) if n > 1
+                         else (np.zeros(0), np.zeros(0, int)))
     return Series(scale, luma, spread, clipped, saturation, sharpness, diff, flow_m, residual, ssim,
-                  cells, hp_ratio, luma_drift, sat_drift)
+                  cells, hp_ratio, luma_drift, sat_drift, boil, boil_frames)
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -161,6 +161,7 @@ def still_running_cleanly(command: str, env: dict, cwd: Path, seconds: float = 8
         assert "Traceback" not in out and "Error" not in out, f"{command!r}:\n{out[-3000:]}"
 
 
+@pytest.mark.slow
 def test_help_examples_run_as_written(tmp_path, monkeypatch, redis_url, s3_endpoint):
     import torch
 

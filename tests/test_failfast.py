@@ -181,6 +181,7 @@ def test_a_model_that_cannot_load_stops_the_run_once_and_leaves_the_jobs_queued(
 
 # -- exit 1 when a job failed; progress as plain lines; status piped ------------------------------------
 
+@pytest.mark.slow
 def test_run_exits_1_when_a_job_failed_and_shows_plain_progress_and_full_paths(cli, db, tmp_path):
     from clipmill.jobs.core.queue import claim_group
     from clipmill.jobs.core.states import JobState, move_job

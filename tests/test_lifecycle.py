@@ -66,6 +66,7 @@ def wait_until(what, check, timeout=60.0):
 
 # -- a storage error while writing raw frames ------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_storage_error_writing_raw_frames_moves_the_job_on_at_once(db, tmp_path):
     """The storage root is real but cannot take the batch's files (its batch folder is a regular
     file, so every write under it fails with NotADirectoryError; the tests run as root, where a
@@ -198,6 +199,7 @@ class Steps:
             other.dispose()
 
 
+@pytest.mark.slow
 def test_an_embedded_group_longer_than_its_lease_is_never_taken_back(db, tmp_path):
     make_batch(db, tmp_path, rows=2, max_attempts=1)
     events = Steps(db, db.url)
@@ -282,6 +284,7 @@ def test_the_nightly_lock_holds_no_transaction_open(pg_url):
         other.dispose()
 
 
+@pytest.mark.slow
 def test_a_second_nightly_run_on_sqlite_is_refused(sqlite_url, tmp_path):
     from clipmill.jobs.farm.nightly import single_run
 
@@ -303,6 +306,7 @@ def test_a_second_nightly_run_on_sqlite_is_refused(sqlite_url, tmp_path):
 
 # -- one time-zone rule ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_nightly_deadline_and_beat_use_one_time_zone(sqlite_url, tmp_path):
     """The host is in New York, CLIPMILL_TIMEZONE says Tokyo: `clipmill nightly --deadline 07:00`
     means 07:00 in Tokyo, the zone beat schedules CLIPMILL_NIGHTLY_AT in and the beat-started
@@ -353,6 +357,7 @@ def hooks_on(model) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-wan", "tiny"])
 def test_counting_hooks_come_off_the_model_after_a_bench_row(model, tiny_cache):
     """A bench row counts the work it skips (DiT blocks run and skipped, K/V projections,
@@ -385,6 +390,7 @@ def test_counting_hooks_come_off_the_model_after_a_bench_row(model, tiny_cache):
 
 # -- lost attempts ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_an_attempt_lost_with_its_worker_does_not_cost_the_qc_retry(db, tmp_path):
     """max_attempts 2: attempt 1 dies with its worker (a dead process's lease), attempt 2 is
     rejected by QC, and the job still gets its QC retry at the quality tier (attempt 3)."""

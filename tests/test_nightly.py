@@ -34,6 +34,7 @@ def run(env, cwd, *args):
     return proc
 
 
+@pytest.mark.slow
 def test_nightly_drains_the_queue_and_writes_the_morning_report(sqlite_url, tmp_path):
     env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url)
     env.pop("CLIPMILL_BROKER_URL", None)

@@ -20,6 +20,7 @@ def pan(n=48, size=(256, 144), seed=0):
     return camera_move(photo("astronaut"), "pan", n, size, np.random.default_rng(seed))
 
 
+@pytest.mark.slow
 def test_labelled_set_meets_targets():
     """At least 95% of broken clips caught, at most 5% of good clips rejected (seed 7: not the
     seeds the thresholds were looked at with)."""

@@ -43,6 +43,7 @@ def frames_of(results):
 
 # -- text K/V cache ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_text_kv_cache_is_exact_on_the_unet_in_float32(ad):
     unet = ad.pipe.unet
     torch.manual_seed(0)
@@ -99,6 +100,7 @@ def test_text_kv_cache_is_exact_on_the_wan_dit_in_float32(wan):
         assert (p - c).abs().max().item() <= 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,g", [("cfg", 1.0), ("cfg", 3.0), ("rcfg-onetime", 1.5)])
 def test_renders_with_and_without_text_kv_are_identical(ad, mode, g):
     s = GroupSettings(guidance=g, guidance_mode=mode)
@@ -112,6 +114,7 @@ def test_renders_with_and_without_text_kv_are_identical(ad, mode, g):
     ad.configure(PLAIN)
 
 
+@pytest.mark.slow
 def test_cache_state_never_leaks_from_one_job_to_the_next(ad, wan):
     """Job B rendered after job A equals job B on a fresh renderer, with every cache on, for both
     families; and the per-generation caches are empty between groups."""
@@ -152,6 +155,7 @@ def test_prompt_embedding_lru_encodes_each_distinct_prompt_once():
         PromptEmbeddingCache(0)
 
 
+@pytest.mark.slow
 def test_renderer_encodes_a_repeated_template_once(ad):
     ad.configure(RenderOptions())
     same = [ClipRequest(i, "ramen on a table, orbit", i, 8, 64, 64) for i in range(4)]
@@ -163,6 +167,7 @@ def test_renderer_encodes_a_repeated_template_once(ad):
 
 # -- feature caches ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_deepcache_skips_deep_blocks_on_alternate_steps_and_is_removable(ad):
     s = GroupSettings(tier="quality")
     base = frames_of(ad.render(reqs(1), s))
@@ -187,6 +192,7 @@ def test_deepcache_skips_deep_blocks_on_alternate_steps_and_is_removable(ad):
         DeepCacheConfig(interval=0)
 
 
+@pytest.mark.slow
 def test_wan_feature_cache_is_diffusers_first_block_cache_per_tier(wan):
     wan.configure(replace(PLAIN, feature_cache=True))
     for tier in ("fast", "quality"):
@@ -200,6 +206,7 @@ def test_wan_feature_cache_is_diffusers_first_block_cache_per_tier(wan):
 
 # -- guidance ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_guidance_modes_cost_what_they_say(ad):
     counts, frames = {}, {}
     for mode, g in (("cfg", 1.5), ("rcfg-self", 1.5), ("rcfg-onetime", 1.5), ("cfg", 1.0)):
@@ -239,6 +246,7 @@ def test_distilled_model_with_high_cfg_is_warned_about(tmp_path):
 
 # -- batching and memory -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_out_of_memory_splits_the_group_in_halves_and_loses_no_clip(ad):
     """A device that fits two clips per call: a group of four is rendered as two halves, each
     clip as it would be alone, and every result says it was split."""
@@ -280,6 +288,7 @@ def test_alone_and_in_a_batch_of_four_match_with_every_layer_on(ad):
     ad.configure(PLAIN)
 
 
+@pytest.mark.slow
 def test_tiled_and_tiny_decoders(ad):
     """At 128 px the tiny VAE's latent (16x16) is larger than its tile (8x8 latents, 64 px), so
     a tiled decode really runs the decoder tile by tile; the picture stays the same size and
@@ -343,6 +352,7 @@ def test_submit_refuses_frame_counts_wan_cannot_take(tmp_path):
 
 # -- the ladder ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_json_has_every_row_with_ratios_and_deviations(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "bench", "--model", "tiny", "--size", "64", "--frames", "8",
                            "--repeat", "1", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -35,6 +35,7 @@ def clipmill(*args, db_url, cwd, check=True):
     return proc
 
 
+@pytest.mark.slow
 def test_run_end_to_end(db_url, tmp_path):
     (tmp_path / "ads.csv").write_text(BATCH)
     out = tmp_path / "out"
@@ -91,6 +92,7 @@ def test_run_end_to_end(db_url, tmp_path):
     db.dispose()
 
 
+@pytest.mark.slow
 def test_resume_after_crash_finishes_every_job_once(sqlite_url, tmp_path):
     """A run that died mid-batch (one group claimed by a dead process, one rendered but not
     post-processed) is finished by `run --resume`: no job lost, no clip duplicated."""
@@ -136,6 +138,7 @@ def test_resume_after_crash_finishes_every_job_once(sqlite_url, tmp_path):
     db.dispose()
 
 
+@pytest.mark.slow
 def test_qc_reject_is_retried_at_quality_tier_with_a_new_seed(sqlite_url, tmp_path):
     """The tiny model renders noise, which QC rejects: each job gets attempt 1 at its own tier
     and seed, then attempt 2 at `quality` with a new seed; both are kept; then it is out of attempts."""
@@ -176,6 +179,7 @@ def renderer(tiny_cache):
     return Renderer(model_info("tiny"))
 
 
+@pytest.mark.slow
 def test_same_seed_same_frames_and_group_does_not_change_a_clip(renderer):
     from clipmill.pipeline.render import ClipRequest, GroupSettings
 

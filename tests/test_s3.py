@@ -110,6 +110,7 @@ def test_run_to_s3_review_from_s3_and_export_to_s3(s3, tmp_path):
     db.dispose()
 
 
+@pytest.mark.slow
 def test_export_to_folder_resumes_after_a_partial_copy(tmp_path):
     """A local destination with one clip missing and one truncated gets exactly those two."""
     from clipmill.jobs.core.batches import SubmitOptions, submit

@@ -82,6 +82,7 @@ def test_colours_apart():
     assert 45 < grey[0] < 60  # mid grey
 
 
+@pytest.mark.slow
 def test_analyzer_reads_the_world(tmp_path):
     from clipmill.pipeline.video import decode, encode_h264
 

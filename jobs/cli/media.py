@@ -84,14 +84,16 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
 def _qc_bench(cfg, as_json: bool) -> None:
     from rich.table import Table
 
-    from clipmill.qc.bench import confusion, speed_720p
+    from clipmill.qc.bench import boiling_confusion, confusion, speed_720p
 
     with err.status("QC on the synthetic labelled set (good and broken clips)..."):
         conf = confusion(cfg)
+    with err.status("QC on the held-out boiling set (grainy good clips and boiling ones, through H.264)..."):
+        boil = boiling_confusion(cfg)
     with err.status("QC speed on a 5-second 720p clip..."):
         speed = speed_720p(cfg)
     if as_json:
-        click.echo(json.dumps({"confusion": conf, "speed": speed}))
+        click.echo(json.dumps({"confusion": conf, "boiling": boil, "speed": speed}))
         return
     t = Table("", "QC pass", "QC reject", title=f"QC on {conf['good_passed'] + conf['good_rejected']} good and "
               f"{conf['broken_rejected'] + conf['broken_passed']} broken clips (seeds {conf['seeds']}, {conf['size']})")
@@ -102,6 +104,9 @@ def _qc_bench(cfg, as_json: bool) -> None:
     out.print("caught per defect: " + ", ".join(f"{k} {v}" for k, v in conf["per_defect"].items()))
     for m in conf["misses"]:
         out.print(f"  miss: {m['clip']} -> {m['verdict']} {'; '.join(m['reasons'])}", markup=False, soft_wrap=True)
+    out.print(f"boiling set (seeds {boil['seeds']}, held out): good {boil['good_passed']} passed, {boil['good_rejected']} "
+              f"rejected ({boil['good_false_reject']:.1%}); boiling {boil['boiling_caught']} caught, {boil['boiling_passed']} "
+              f"passed ({boil['catch_rate']:.1%}); " + ", ".join(f"{k} {v}" for k, v in boil["per_kind"].items()))
     out.print(f"speed, {speed['clip']}: decode {speed['decode_s']} s + QC {speed['qc_s']} s = {speed['total_s']} s")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import datetime, timezone
 
 ID_FIELDS = ("batch", "job", "attempt", "group", "worker")
@@ -34,9 +33,8 @@ class TextFormatter(logging.Formatter):
         return f"{base} [{ids}]" if ids else base
 
 
-def setup(level: int, as_json: bool | None = None) -> None:
-    if as_json is None:
-        as_json = os.environ.get("CLIPMILL_LOG_JSON", "").lower() in ("1", "true", "yes")
+def setup(level: int, as_json: bool = False) -> None:
+    """Log at ``level`` to stderr, as text or JSON lines (the CLI's --log-json / CLIPMILL_LOG_JSON)."""
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if as_json else TextFormatter())
     root = logging.getLogger()

@@ -1,0 +1,43 @@
+"""QC's boiling test on the independent boiling set (qc/boil_set.py): grainy good footage against
+faint boiling, through real H.264, on seeds the thresholds were never looked at with."""
+
+from __future__ import annotations
+
+import pytest
+import numpy as np
+
+from clipmill.pipeline.synthetic import camera_move, photo
+from clipmill.qc import QCConfig, check_frames
+from clipmill.qc.bench import boiling_confusion
+from clipmill.qc.boil_set import TEST_SEEDS, TUNE_SEEDS, bandpass_noise, make_boil_set
+
+
+@pytest.mark.slow
+def test_boiling_set_on_unseen_seeds():
+    """On TEST_SEEDS (20 scenes, a good and a boiling clip each): at most 5% of grainy good clips
+    rejected, at least 90% of boiling clips caught, where the old test caught almost none.
+    (On the larger held-out range 9000-9059 the catch rate is 75%: boiling on a moving object
+    only is the weak spot; see README.)"""
+    assert not set(TEST_SEEDS) & set(TUNE_SEEDS)
+    clips = make_boil_set(TEST_SEEDS)
+    conf = boiling_confusion(seeds=TEST_SEEDS, clips=clips)
+    assert conf["good_false_reject"] <= 0.05, conf["misses"]
+    assert conf["catch_rate"] >= 0.9, conf["misses"]
+    old = boiling_confusion(QCConfig(boiling_excess=1e9), seeds=TEST_SEEDS, clips=clips)
+    assert old["catch_rate"] <= 0.2
+
+
+def test_heavy_grain_passes_and_faint_boiling_in_a_region_is_named():
+    rng = np.random.default_rng(11)
+    clean = camera_move(photo("coffee"), "static", 24, (256, 144), rng).astype(np.float32)
+    grainy = np.clip(clean + rng.normal(0, 6.0, clean.shape), 0, 255).astype(np.uint8)  # heavy grain
+    assert check_frames(grainy, 24).verdict == "pass"
+    boiling = clean + rng.normal(0, 1.0, clean.shape)
+    yy, xx = np.mgrid[0:144, 0:256]
+    region = (((yy - 60) / 40) ** 2 + ((xx - 150) / 60) ** 2 < 1).astype(np.float32)  # about 20% of the frame
+    for i in range(len(boiling)):
+        boiling[i] += (5.0 * region * bandpass_noise((144, 256), 1.5, rng))[..., None]
+    res = check_frames(np.clip(boiling, 0, 255).astype(np.uint8), 24)
+    assert res.verdict == "reject"
+    assert res.reasons[0].startswith("boiling: frames 0-23 (fine texture re-rolls"), res.reasons
+    assert res.metrics["boiling"] > QCConfig().boiling_excess
