@@ -11,7 +11,7 @@ are judged on their probe loss: the same loss on a fixed batch, timesteps and no
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import numpy as np
 import pytest
@@ -20,8 +20,10 @@ import torch
 from clipmill.jobs.cli.train import clean_caption
 from clipmill.pipeline import models, shapes
 from clipmill.pipeline.train import distill
+from clipmill.pipeline.train.data import LatentPool, PoolData
+from clipmill.pipeline.train.nets import UNetSpec
 from clipmill.pipeline.train.recipe import Recipe, check_root, run_all
-from clipmill.pipeline.train.stages import StageConfig, train_vae
+from clipmill.pipeline.train.stages import DenoiserConfig, StageConfig, train_vae
 
 
 def _cfg(steps: int, batch: int, lr: float, log_every: int = 100) -> StageConfig:
@@ -35,7 +37,7 @@ TINY = Recipe(
     teacher=_cfg(12, 2, 2e-2, log_every=4),  # lr warms up over 200 steps: 12 steps reach 1.2e-3
     student=_cfg(8, 2, 3e-3, log_every=4),
     vae_channels=(16, 16, 16),
-    unet_channels=(16, 32, 32),
+    denoiser=DenoiserConfig(unet=UNetSpec(channels=(16, 32, 32), heads=1, motion_heads=1), pool_clips=24),
     lcm=distill.LCMConfig(solver_steps=10),  # a 10-point grid: the probe's teacher solutions stay cheap
 )
 
@@ -77,6 +79,8 @@ def test_every_stage_learns(trained):
     assert any(line.startswith("[student] step 8/8") for line in lines)  # progress with speed and eta
     for stage in ("vae", "text", "teacher", "student"):
         assert (root / stage / "done").exists() and (root / stage / "state.pt").exists()
+    assert any(line.startswith("[pool] encoding 24 train clips") for line in lines)  # encoded once, for both
+    assert sum(line.startswith("[pool] encoding") for line in lines) == 1
 
 
 @pytest.mark.slow
@@ -86,6 +90,8 @@ def test_a_rerun_skips_finished_stages_and_refuses_another_seed(trained):
     assert all(not r.losses for r in again.values())
     with pytest.raises(ValueError, match="seed 1"):
         check_root(root, TINY.with_seed(1))
+    with pytest.raises(ValueError, match="denoiser.unet"):
+        check_root(root, replace(TINY, denoiser=DenoiserConfig(unet=UNetSpec(channels=(16, 32, 64), heads=1, motion_heads=1))))
 
 
 @pytest.mark.slow
@@ -126,6 +132,30 @@ def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
         torch.testing.assert_close(out.denoised, c_skip * x + c_out * x0, rtol=1e-4, atol=1e-5)
     t, s = distill.grid_timesteps(torch.tensor([0, 1, 49]), lcm)
     assert t.tolist() == [19, 39, 999] and s.tolist() == [0, 19, 979]
+
+
+def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_path, monkeypatch):
+    monkeypatch.setattr(LatentPool, "CHUNK", 4)
+    calls = []
+
+    def encode(vae, frames):  # stands in for the VAE: (B, T, 3, H, W) -> (B, C, T, h, w)
+        calls.append(len(frames))
+        return frames[:, :, :, ::4, ::4].permute(0, 2, 1, 3, 4) + vae
+
+    pool = LatentPool.build(tmp_path / "pool", 0.0, "vae-a", 10, 3, lambda m: None, encode)
+    assert pool.latents.shape == (10, 3, shapes.FRAMES, 16, 16) and pool.latents.dtype == torch.float16
+    assert sum(calls) == 10
+    (tmp_path / "pool" / "chunk-0001.pt").unlink()  # killed mid-build: only the missing chunk is encoded again
+    again = LatentPool.build(tmp_path / "pool", 0.0, "vae-a", 10, 3, lambda m: None, encode)
+    assert sum(calls) == 14 and torch.equal(again.latents, pool.latents)
+    with pytest.raises(ValueError, match="other settings"):
+        LatentPool.build(tmp_path / "pool", 0.0, "vae-b", 10, 3, lambda m: None, encode)
+    data = PoolData(clean_caption, 0, pool)
+    z, captions, labels = data.latents(6)
+    assert z.shape == (6, 3, shapes.FRAMES, 16, 16) and z.dtype == torch.float32 and len(captions) == 6
+    for cap, lab in zip(captions, labels.tolist()):  # every caption names its clip's spec
+        spec = shapes.Spec(*(shapes.VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, lab)))
+        assert cap in (clean_caption(shapes.caption(spec, "en")), clean_caption(shapes.caption(spec, "zh")))
 
 
 def test_a_killed_stage_resumes_exactly(tmp_path, single_thread):
