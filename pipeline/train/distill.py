@@ -38,9 +38,9 @@ from ...qc import adherence
 from .. import shapes
 from ..sampler import make_scheduler, sample
 from . import nets
-from .data import Clean, ShapesData
-from .stages import (Log, Probe, StageConfig, StageResult, TextCache, _done, _load_state, _mark_done, _Meter, _save_state,
-                     decode_latents, encode_latents, export_pipeline)
+from .data import Clean, PoolData, ShapesData
+from .stages import (DenoiserConfig, Log, Probe, StageConfig, StageResult, TextCache, _done, _load_state, _mark_done, _Meter,
+                     _save_state, decode_latents, export_pipeline, latent_pool)
 
 STAGE = "student"
 TIER_STEPS = (6, 8)  # pipeline.choices.TIERS: fast, quality
@@ -204,7 +204,8 @@ def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: 
     return out
 
 
-def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCMConfig = LCMConfig()) -> StageResult:
+def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCMConfig = LCMConfig(),
+                  pool_clips: int = DenoiserConfig.pool_clips) -> StageResult:
     """Distil ``root/teacher/pipeline`` into ``root/student/pipeline`` (an LCM AnimateDiff folder).
 
     Resumable like the other stages (``root/student/state.pt``). The probe loss is the
@@ -234,7 +235,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     student = copy.deepcopy(teacher).train().requires_grad_(True)
     target = copy.deepcopy(teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
-    data = ShapesData(clean, cfg.seed, "train")
+    data = PoolData(clean, cfg.seed, latent_pool(root, vae, pool_clips, cfg.seed, log))  # the teacher's pool
     step = 0
     state = _load_state(root / STAGE / "state.pt")
     if state:
@@ -264,11 +265,10 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     losses = result.losses
     while step < cfg.steps:
         step += 1
-        b = data.batch(cfg.batch)
-        z0 = encode_latents(vae, b.frames)
+        z0, captions, _ = data.latents(cfg.batch)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
-        loss = consistency_loss(student, teacher, target, z0, text(b.captions), uncond, acp, lcm)
+        loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

@@ -3,8 +3,8 @@
 A :class:`Recipe` is every stage's schedule and the networks' sizes. ``run_all`` runs the stages
 one after another under one checkpoint root; each resumes from its own checkpoint and a finished
 stage is skipped, so rerunning the same command after a kill continues where it stopped. The
-root remembers the recipe and seed it was started with (``recipe.json``) and refuses another,
-so a resume never mixes two trainings.
+root remembers the seed and network sizes it was started with (``recipe.json``) and refuses
+others, so a resume never mixes two trainings.
 """
 
 from __future__ import annotations
@@ -15,23 +15,26 @@ from pathlib import Path
 from typing import Callable
 
 from .data import Clean
+from . import nets
 from .distill import LCMConfig, train_student
-from .stages import Log, StageConfig, StageResult, train_teacher, train_text, train_vae
+from .stages import DenoiserConfig, Log, StageConfig, StageResult, train_teacher, train_text, train_vae
 
 STAGE_ORDER = ("vae", "text", "teacher", "student")
 
 
 @dataclass(frozen=True)
 class Recipe:
-    """Stage schedules and network sizes. ``seed`` seeds every stage."""
+    """Stage schedules and network sizes (the sizes themselves live in ``nets``). ``seed`` seeds
+    every stage. ``denoiser`` is the teacher's UNet, loss and latent pool (the student shares the
+    pool); ``lcm`` the distillation's settings."""
 
     name: str
     vae: StageConfig
     text: StageConfig
     teacher: StageConfig
     student: StageConfig
-    vae_channels: tuple[int, int, int] = (32, 64, 64)
-    unet_channels: tuple[int, int, int] = (32, 64, 128)
+    vae_channels: tuple[int, int, int] = nets.VAE_CHANNELS
+    denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
     lcm: LCMConfig = field(default_factory=LCMConfig)
     seed: int = 0
 
@@ -43,8 +46,9 @@ class Recipe:
         runs = {
             "vae": lambda root, clean, log: train_vae(root, self.vae, clean, log, channels=self.vae_channels),
             "text": lambda root, clean, log: train_text(root, self.text, clean, log),
-            "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, channels=self.unet_channels),
-            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm),
+            "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, self.denoiser),
+            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm,
+                                                              self.denoiser.pool_clips),
         }
         if name not in runs:
             raise ValueError(f"stage {name!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
@@ -54,14 +58,18 @@ class Recipe:
         return asdict(self)
 
 
-# The shipped model's recipe. vae/text/teacher are the schedules of the background run that
-# trains it (/work/clipmill-train/run.py FULL), so that run's checkpoints resume under this recipe.
+# The shipped model's recipe (the background run, /work/clipmill-train/run.py, runs this one).
+# The teacher: the 2.3 M UNet of nets.TEACHER on a pool of latents encoded once, lr 1e-3 (5x the
+# first plan's 2e-4; the learning probes of ../shared/NOTES.md, "A cheaper teacher recipe"), the
+# lr constant after warm-up, so a teacher that needs longer resumes with more ``steps`` seamlessly.
+# About 0.85 s CPU a step on one core (the first plan: 2.2 s and 30,000 steps).
 FULL = Recipe(
     name="full",
     vae=StageConfig(steps=2500, batch=32, lr=1e-3, ckpt_every=100, log_every=25, eval_every=500),
     text=StageConfig(steps=600, batch=64, lr=1e-3, ckpt_every=100, log_every=50),
-    teacher=StageConfig(steps=30000, batch=8, lr=2e-4, ckpt_every=100, log_every=25, eval_every=750),
-    student=StageConfig(steps=4000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
+    teacher=StageConfig(steps=10000, batch=8, lr=1e-3, ckpt_every=100, log_every=50, eval_every=1000),
+    student=StageConfig(steps=3000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
+    denoiser=DenoiserConfig(unet=nets.TEACHER, pool_clips=16384),
 )
 # Every stage for a few steps with small networks: checks the whole chain in minutes. Its model
 # draws nothing; it is never exported into the package.
@@ -72,22 +80,31 @@ SMOKE = Recipe(
     teacher=StageConfig(steps=10, batch=2, lr=1e-3, ckpt_every=5, log_every=5, eval_every=0),
     student=StageConfig(steps=10, batch=2, lr=1e-4, ckpt_every=5, log_every=5, eval_every=0),
     vae_channels=(16, 16, 16),
-    unet_channels=(16, 32, 32),
+    denoiser=DenoiserConfig(unet=nets.SMOKE, pool_clips=64),
 )
 RECIPES = {r.name: r for r in (FULL, SMOKE)}
+IDENTITY = ("seed", "vae_channels", "denoiser.unet")  # what a checkpoint folder must keep
+
+
+def _get(d: dict, dotted: str):
+    for k in dotted.split("."):
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
 
 
 def check_root(root: Path, recipe: Recipe) -> None:
-    """Write ``root/recipe.json`` on first use; afterwards refuse a different recipe or seed."""
+    """Refuse to resume ``root`` under another seed or other network sizes than it was started
+    with (``root/recipe.json``); then record ``recipe`` there. Step counts and learning rates may
+    change between runs (to train a stage longer, say), since they do not change what a
+    checkpoint holds."""
     path = root / "recipe.json"
     mine = json.loads(json.dumps(recipe.as_dict()))  # tuples as lists, as read back
     if path.exists():
         theirs = json.loads(path.read_text())
-        if theirs != mine:
-            raise ValueError(f"{root}: its checkpoints were started with recipe {theirs.get('name')!r}, seed "
-                             f"{theirs.get('seed')}, which differs from recipe {recipe.name!r}, seed {recipe.seed} "
-                             f"(see {path}); resume with the same ones or pick another checkpoint folder")
-        return
+        if diff := [k for k in IDENTITY if _get(theirs, k) != _get(mine, k)]:
+            raise ValueError(f"{root}: its checkpoints were started with " + ", ".join(f"{k} {_get(theirs, k)}" for k in diff)
+                             + "; this run asks for " + ", ".join(f"{k} {_get(mine, k)}" for k in diff)
+                             + f" (see {path}): resume with the same ones or pick another checkpoint folder")
     root.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(mine, indent=1))
 

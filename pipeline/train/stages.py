@@ -12,10 +12,12 @@ stopped, and a diffusers folder when it ends (``root/vae/model``, ``root/text/mo
 - ``text``: the CLIP text encoder trained alone, as a classifier of the five attributes from the
   cleaned caption, read at every position from the end token on (the pipeline pads with the end
   token and the encoder is causal, so all those positions see the whole caption). Then frozen.
-- ``teacher``: the UNetMotionModel, v-prediction on the frozen VAE's latents with min-SNR
-  weighting, 10% empty captions (for guidance), an EMA of its weights. Every ``eval_every``
-  steps the EMA samples prompts from the training and the held-out split, and the analyzer
-  (``qc.adherence``) logs adherence per attribute.
+- ``teacher``: the UNetMotionModel (``nets.UNetSpec``), v-prediction on the frozen VAE's latents
+  with min-SNR weighting, 10% empty captions (for guidance), an EMA of its weights. The latents
+  come from a pool of training clips encoded once (``data.LatentPool``, under ``root/pool``,
+  shared with the student stage), not from a VAE pass per step. Every ``eval_every`` steps the
+  EMA samples prompts from the training and the held-out split, and the analyzer
+  (``qc.adherence``) logs adherence per attribute. :class:`DenoiserConfig` holds its settings.
 
 Every stage returns a :class:`StageResult`: the loss of each step it ran (empty when it was done
 already) and, for the denoisers, a probe loss: the same loss on a fixed batch (fixed clips,
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from ...qc import adherence
 from .. import shapes
 from . import nets
-from .data import Clean, ShapesData
+from .data import Clean, LatentPool, PoolData, ShapesData, file_digest, labels_of
 
 Log = Callable[[str], None]
 
@@ -177,7 +179,7 @@ def eval_vae(vae, clean: Clean, n: int = 24, seed: int = 999) -> dict:
 
 
 def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 32, shape_gain: float = 20.0,
-              kl: float = 1e-6, channels: tuple[int, int, int] = (32, 64, 64)) -> StageResult:
+              kl: float = 1e-6, channels: tuple[int, int, int] = nets.VAE_CHANNELS) -> StageResult:
     stage = "vae"
     if _done(root, stage):
         log(f"[{stage}] done already: {root / stage / 'model'}")
@@ -274,8 +276,6 @@ def eval_text(text_encoder, tokenizer, heads: AttributeHeads, clean: Clean) -> d
     data = ShapesData(clean, 0, "all")
     specs = shapes.all_specs()
     caps = [data.cleaned(shapes.caption(s, lang)) for lang in ("en", "zh") for s in specs]
-    from .data import labels_of
-
     labels = torch.tensor([labels_of(s) for _ in ("en", "zh") for s in specs])
     accs = []
     with torch.no_grad():
@@ -450,8 +450,49 @@ def export_pipeline(dest: Path, unet, vae, text_encoder, tokenizer, scheduler) -
     pipe.save_pretrained(dest)
 
 
-def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log, cfg_drop: float = 0.1,
-                  min_snr: float = 5.0, ema_decay: float = 0.999, channels: tuple[int, int, int] = (32, 64, 128)) -> StageResult:
+@dataclass(frozen=True)
+class DenoiserConfig:
+    """The teacher's network and loss, and the latent pool it (and the student) trains on.
+
+    - ``unet``: the UNetMotionModel's sizes (``nets.UNetSpec``).
+    - ``pool_clips``: training clips encoded once into ``root/pool`` (16 KiB each; about 60 ms
+      of VAE encoding each on one core). Each is seen with a fresh timestep, noise and caption
+      language every time, so a pool a few times smaller than the clips a run draws is enough.
+    - ``timesteps``: ``uniform`` over the 1000-step schedule, or ``logit_normal`` (t / 1000 =
+      sigmoid(N(0, 1)): the middle of the schedule, where the layout is decided, more often).
+    - ``warmup``: steps of linear learning-rate warm-up.
+    """
+
+    unet: nets.UNetSpec = nets.TEACHER
+    pool_clips: int = 16384
+    cfg_drop: float = 0.1
+    min_snr: float = 5.0
+    ema_decay: float = 0.999
+    timesteps: str = "uniform"
+    warmup: int = 200
+
+    def __post_init__(self):
+        if self.timesteps not in ("uniform", "logit_normal"):
+            raise ValueError(f"DenoiserConfig.timesteps={self.timesteps!r}; allowed: uniform, logit_normal")
+        if self.pool_clips < 1:
+            raise ValueError(f"DenoiserConfig.pool_clips={self.pool_clips}: must be at least 1")
+
+    def sample_timesteps(self, n: int, num_train_timesteps: int = 1000) -> torch.Tensor:
+        """``n`` training timesteps, drawn from torch's global generator."""
+        if self.timesteps == "logit_normal":
+            return (torch.sigmoid(torch.randn(n)) * num_train_timesteps).long().clamp(0, num_train_timesteps - 1)
+        return torch.randint(0, num_train_timesteps, (n,))
+
+
+def latent_pool(root: Path, vae, clips: int, seed: int, log: Log) -> LatentPool:
+    """The training clips' latents under ``root/pool``, encoded by the frozen VAE at
+    ``root/vae/model`` on first use (resumable), shared by the teacher and the student."""
+    digest = file_digest(root / "vae" / "model" / "diffusion_pytorch_model.safetensors")
+    return LatentPool.build(root / "pool", vae, digest, clips, seed, log, encode_latents)
+
+
+def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
+                  net: DenoiserConfig = DenoiserConfig()) -> StageResult:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -462,31 +503,37 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log, cfg_drop
     torch.manual_seed(cfg.seed)
     vae = AutoencoderKL.from_pretrained(root / "vae" / "model").eval().requires_grad_(False)
     te = CLIPTextModel.from_pretrained(root / "text" / "model").eval().requires_grad_(False)
-    tok = CLIPTokenizer.from_pretrained(root / "text" / "model")
+    # a text stage saved with 256 positions gives the same first 77 states (the encoder is causal)
+    tok = CLIPTokenizer.from_pretrained(root / "text" / "model", model_max_length=nets.MAX_TOKENS)
     text = TextCache(te, tok)
     scheduler = nets.build_scheduler()
-    unet = nets.build_unet(channels)
+    unet = nets.build_unet(net.unet)
     ema = copy.deepcopy(unet).eval().requires_grad_(False)
     opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=0.0)
-    data = ShapesData(clean, cfg.seed, "train")
+    pool = latent_pool(root, vae, net.pool_clips, cfg.seed, log)
+    data = PoolData(clean, cfg.seed, pool)
     step = 0
     state = _load_state(root / stage / "state.pt")
     if state:
+        if state.get("unet") != net.unet.as_dict():
+            raise ValueError(f"[{stage}] {root / stage / 'state.pt'} holds a UNet of another size "
+                             f"({state.get('unet', 'the first plan')}; this run asks for {net.unet.as_dict()}): "
+                             f"move {root / stage} aside to train this one")
         unet.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         opt.load_state_dict(state["opt"])
         data.rng, step = state["rng"], state["step"]
-        if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
-            torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"])
         log(f"[{stage}] resumed at step {step}")
-    log(f"[{stage}] UNetMotionModel {nets.count(unet) / 1e6:.2f} M params, batch {cfg.batch} clips, "
-        f"latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}")
+    log(f"[{stage}] UNetMotionModel {nets.count(unet) / 1e6:.2f} M params, batch {cfg.batch} clips from a pool of "
+        f"{len(pool)}, latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}, "
+        f"{net.timesteps} timesteps, lr {cfg.lr}")
     probe = Probe.make(vae, text, clean, seed=cfg.seed + 77)
     result = StageResult()
 
     def run_probe() -> None:
         with torch.no_grad():
-            result.probe[step] = teacher_loss(unet, probe.z0, probe.cond, probe.t, probe.noise, scheduler, min_snr).item()
+            result.probe[step] = teacher_loss(unet, probe.z0, probe.cond, probe.t, probe.noise, scheduler, net.min_snr).item()
         log(f"[{stage}] step {step} probe loss {result.probe[step]:.5f}")
 
     run_probe()
@@ -495,21 +542,20 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log, cfg_drop
     unet.train()
     while step < cfg.steps:
         step += 1
-        b = data.batch(cfg.batch)
-        z0 = encode_latents(vae, b.frames)
-        caps = [("" if data.rng.random() < cfg_drop else c) for c in b.captions]
+        z0, captions, _ = data.latents(cfg.batch)
+        caps = [("" if data.rng.random() < net.cfg_drop else c) for c in captions]
         cond = text(caps)
         noise = torch.randn_like(z0)
-        t = torch.randint(0, scheduler.config.num_train_timesteps, (len(z0),))
+        t = net.sample_timesteps(len(z0), scheduler.config.num_train_timesteps)
         for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, step / 200)
-        loss = teacher_loss(unet, z0, cond, t, noise, scheduler, min_snr)
+            g["lr"] = cfg.lr * min(1.0, step / net.warmup)
+        loss = teacher_loss(unet, z0, cond, t, noise, scheduler, net.min_snr)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
-            d = min(ema_decay, (1 + step) / (10 + step))
+            d = min(net.ema_decay, (1 + step) / (10 + step))
             for pe, p in zip(ema.parameters(), unet.parameters()):
                 pe.lerp_(p, 1 - d)
         losses.append(loss.item())
@@ -519,14 +565,14 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log, cfg_drop
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             _save_state(root / stage / "state.pt", {"model": unet.state_dict(), "ema": ema.state_dict(),
                                                     "opt": opt.state_dict(), "rng": data.rng, "step": step,
-                                                    "torch_rng": torch.get_rng_state()})
+                                                    "torch_rng": torch.get_rng_state(), "unet": net.unet.as_dict()})
         if cfg.eval_due(step):
             t0 = time.time()
             res = eval_teacher(ema, vae, text, scheduler, clean)
             log(f"[{stage}] eval step {step} (EMA, DDIM 25, cfg 3; {time.time() - t0:.0f}s): {json.dumps(res)}")
             export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
     export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
-    _mark_done(root, stage, {"step": step})
+    _mark_done(root, stage, {"step": step, "unet": net.unet.as_dict(), "params": nets.count(ema)})
     log(f"[{stage}] saved {root / stage / 'pipeline'}")
     return result
 
