@@ -38,7 +38,10 @@ class S3Storage:
         self.bucket, self.prefix = parse_url(url)
         self.endpoint = endpoint_url or os.environ.get("CLIPMILL_S3_ENDPOINT") or None
         self._own_client = client is None
-        self.client = client or boto3.client("s3", endpoint_url=self.endpoint)
+        # a session of its own: credentials are looked up now, for this storage, never taken
+        # from boto3's process-wide default session (which caches the first ones it found)
+        self.session = boto3.session.Session()
+        self.client = client or self.session.client("s3", endpoint_url=self.endpoint)
         self.transfer = TransferConfig(multipart_threshold=MULTIPART_BYTES, multipart_chunksize=MULTIPART_BYTES)
 
     def __repr__(self) -> str:
@@ -100,12 +103,11 @@ class S3Storage:
         """The bucket is reachable with the credentials in use, and a probe object can be
         written and deleted under the prefix. Fails within seconds (short timeouts, one retry)
         with a one-line StorageUnavailable."""
-        import boto3
         from botocore.config import Config
 
         client = self.client
         if self._own_client:
-            client = boto3.client("s3", endpoint_url=self.endpoint, config=Config(
+            client = self.session.client("s3", endpoint_url=self.endpoint, config=Config(
                 connect_timeout=5, read_timeout=20, retries={"total_max_attempts": 2, "mode": "standard"}))
         probe = self._key(f".clipmill-probe-{uuid.uuid4().hex}")
         try:
