@@ -32,6 +32,7 @@ moving_flow = 1e9
 exposure_luma = 1e9
 exposure_saturation = 1e9
 boiling_ssim = -2
+boiling_excess = 1e9
 blur_ratio = 0
 min_median_ssim = -2
 """
