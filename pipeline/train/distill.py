@@ -36,14 +36,15 @@ import torch
 
 from ...qc import adherence
 from .. import shapes
+from ..choices import TIERS
 from ..sampler import make_scheduler, sample
 from . import nets
 from .data import Clean, PoolData, ShapesData
-from .stages import (DenoiserConfig, Log, Probe, StageConfig, StageResult, TextCache, _done, _load_state, _mark_done, _Meter,
-                     _save_state, decode_latents, export_pipeline, latent_pool)
+from .stages import (DenoiserConfig, Log, Probe, StageConfig, StageResult, TextCache, _done, _mark_done, _Meter,
+                     decode_latents, export_pipeline, latent_pool, resume, save_checkpoint)
 
 STAGE = "student"
-TIER_STEPS = (6, 8)  # pipeline.choices.TIERS: fast, quality
+TIER_STEPS = tuple(tier.steps for tier in TIERS.values())  # fast, quality
 
 
 @dataclass(frozen=True)
@@ -236,15 +237,8 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     target = copy.deepcopy(teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
     data = PoolData(clean, cfg.seed, latent_pool(root, vae, pool_clips, cfg.seed, log))  # the teacher's pool
-    step = 0
-    state = _load_state(root / STAGE / "state.pt")
-    if state:
-        student.load_state_dict(state["model"])
-        target.load_state_dict(state["target"])
-        opt.load_state_dict(state["opt"])
-        data.rng, step = state["rng"], state["step"]
-        torch.set_rng_state(state["torch_rng"])
-        log(f"[{STAGE}] resumed at step {step}")
+    parts = {"model": student, "target": target, "opt": opt}
+    step = resume(root / STAGE / "state.pt", parts, data, log, STAGE)
     log(f"[{STAGE}] LCM distillation of the teacher ({nets.count(student) / 1e6:.2f} M params), batch {cfg.batch} "
         f"clips, {asdict(lcm)}")
     uncond = text([""])
@@ -281,9 +275,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
         if step % cfg.log_every == 0 or step == cfg.steps:
             run_probe()
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            _save_state(root / STAGE / "state.pt", {"model": student.state_dict(), "target": target.state_dict(),
-                                                    "opt": opt.state_dict(), "rng": data.rng, "step": step,
-                                                    "torch_rng": torch.get_rng_state()})
+            save_checkpoint(root / STAGE / "state.pt", parts, data, step)
         if cfg.eval_due(step):
             t0 = time.time()
             res = eval_student(target, vae, text, scheduler.config, clean)

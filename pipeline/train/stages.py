@@ -94,6 +94,30 @@ def _save_state(path: Path, state: dict) -> None:
     tmp.replace(path)  # atomic: a kill mid-save keeps the previous checkpoint
 
 
+def save_checkpoint(path: Path, parts: dict, data, step: int, **extra) -> None:
+    """A stage's checkpoint: the state of each of ``parts`` (modules and optimizers by name),
+    the data generator, the step, torch's random state and ``extra``."""
+    _save_state(path, {**{k: v.state_dict() for k, v in parts.items()}, "rng": data.rng, "step": step,
+                       "torch_rng": torch.get_rng_state(), **extra})
+
+
+def resume(path: Path, parts: dict, data, log: Log, stage: str, check: Callable[[dict], None] | None = None) -> int:
+    """Load a checkpoint written by ``save_checkpoint`` into ``parts`` and ``data``; the step it
+    had reached, 0 without one. ``check(state)`` may refuse a checkpoint before anything loads."""
+    state = _load_state(path)
+    if not state:
+        return 0
+    if check is not None:
+        check(state)
+    for key, part in parts.items():
+        part.load_state_dict(state[key])
+    data.rng = state["rng"]
+    if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
+        torch.set_rng_state(state["torch_rng"])
+    log(f"[{stage}] resumed at step {state['step']}")
+    return state["step"]
+
+
 def _done(root: Path, stage: str) -> bool:
     return (root / stage / "done").exists()
 
@@ -188,15 +212,8 @@ def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 
     vae = nets.build_vae(channels)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0)
     data = ShapesData(clean, cfg.seed, "all")
-    step = 0
-    state = _load_state(root / stage / "state.pt")
-    if state:
-        vae.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        data.rng, step = state["rng"], state["step"]
-        if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
-            torch.set_rng_state(state["torch_rng"])
-        log(f"[{stage}] resumed at step {step}")
+    parts = {"model": vae, "opt": opt}
+    step = resume(root / stage / "state.pt", parts, data, log, stage)
     log(f"[{stage}] AutoencoderKL {nets.count(vae) / 1e6:.2f} M params, batch {cfg.batch} crops of {crop}px")
     meter = _Meter(log, stage, cfg.steps, cfg.log_every)
     losses: list[float] = []
@@ -220,8 +237,7 @@ def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 
         losses.append(loss.item())
         meter.add(step, loss=loss.item(), psnr=_psnr(y.detach(), x), psnr_shape=_psnr(y.detach(), x, a[:, None]))
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            _save_state(root / stage / "state.pt", {"model": vae.state_dict(), "opt": opt.state_dict(), "rng": data.rng, "step": step,
-                                                    "torch_rng": torch.get_rng_state()})
+            save_checkpoint(root / stage / "state.pt", parts, data, step)
         if cfg.eval_due(step):
             vae.eval()
             log(f"[{stage}] eval step {step}: {eval_vae(vae, clean)}")
@@ -300,16 +316,8 @@ def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log) -> StageRes
     # every caption of the grammar is a valid training input for the classifier (the held-out
     # split is over clips, and the text encoder must read held-out prompts too)
     data = ShapesData(clean, cfg.seed, "all")
-    step = 0
-    state = _load_state(root / stage / "state.pt")
-    if state:
-        te.load_state_dict(state["model"])
-        heads.load_state_dict(state["heads"])
-        opt.load_state_dict(state["opt"])
-        data.rng, step = state["rng"], state["step"]
-        if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
-            torch.set_rng_state(state["torch_rng"])
-        log(f"[{stage}] resumed at step {step}")
+    parts = {"model": te, "heads": heads, "opt": opt}
+    step = resume(root / stage / "state.pt", parts, data, log, stage)
     log(f"[{stage}] CLIPTextModel {nets.count(te) / 1e6:.3f} M params, batch {cfg.batch}")
     meter = _Meter(log, stage, cfg.steps, cfg.log_every)
     losses: list[float] = []
@@ -328,9 +336,7 @@ def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log) -> StageRes
         losses.append(loss.item())
         meter.add(step, loss=loss.item(), acc=acc.mean().item())
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            _save_state(root / stage / "state.pt", {"model": te.state_dict(), "heads": heads.state_dict(),
-                                                    "opt": opt.state_dict(), "rng": data.rng, "step": step,
-                                                    "torch_rng": torch.get_rng_state()})
+            save_checkpoint(root / stage / "state.pt", parts, data, step)
     te.eval()
     info = {"step": step, **(eval_text(te, tok, heads, clean) if cfg.eval_every else {})}
     te.save_pretrained(root / stage / "model")
@@ -512,19 +518,15 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
     opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=0.0)
     pool = latent_pool(root, vae, net.pool_clips, cfg.seed, log)
     data = PoolData(clean, cfg.seed, pool)
-    step = 0
-    state = _load_state(root / stage / "state.pt")
-    if state:
+
+    def same_size(state: dict) -> None:
         if state.get("unet") != net.unet.as_dict():
             raise ValueError(f"[{stage}] {root / stage / 'state.pt'} holds a UNet of another size "
                              f"({state.get('unet', 'the first plan')}; this run asks for {net.unet.as_dict()}): "
                              f"move {root / stage} aside to train this one")
-        unet.load_state_dict(state["model"])
-        ema.load_state_dict(state["ema"])
-        opt.load_state_dict(state["opt"])
-        data.rng, step = state["rng"], state["step"]
-        torch.set_rng_state(state["torch_rng"])
-        log(f"[{stage}] resumed at step {step}")
+
+    parts = {"model": unet, "ema": ema, "opt": opt}
+    step = resume(root / stage / "state.pt", parts, data, log, stage, check=same_size)
     log(f"[{stage}] UNetMotionModel {nets.count(unet) / 1e6:.2f} M params, batch {cfg.batch} clips from a pool of "
         f"{len(pool)}, latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}, "
         f"{net.timesteps} timesteps, lr {cfg.lr}")
@@ -563,9 +565,7 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
         if step % cfg.log_every == 0 or step == cfg.steps:
             run_probe()
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            _save_state(root / stage / "state.pt", {"model": unet.state_dict(), "ema": ema.state_dict(),
-                                                    "opt": opt.state_dict(), "rng": data.rng, "step": step,
-                                                    "torch_rng": torch.get_rng_state(), "unet": net.unet.as_dict()})
+            save_checkpoint(root / stage / "state.pt", parts, data, step, unet=net.unet.as_dict())
         if cfg.eval_due(step):
             t0 = time.time()
             res = eval_teacher(ema, vae, text, scheduler, clean)
