@@ -67,6 +67,7 @@ BAD_INPUT = [
      "allowed: WIDTHxHEIGHT or N, each a multiple of 16 from 64 to 1536"),
     (("run", "good.csv", "--group-size", "0"), "Error: Invalid value for '--group-size': 0 is not in the range 1<=x<=16."),
     (("run", "good.csv", "--max-attempts", "0"), "Error: --max-attempts 0: out of range; allowed: 1 to 10"),
+    (("submit", "good.csv", "--max-lost", "0"), "Error: --max-lost 0: out of range; allowed: 1 to 10"),
     (("submit", "good.csv", "--priority", "5000"),
      "Error: --priority 5000: out of range; allowed: an integer from -1000 to 1000 (higher goes first)"),
     (("run", "good.csv", "--guidance", "0.5"), "Error: --guidance 0.5: out of range; allowed: 1 (off) to 30"),

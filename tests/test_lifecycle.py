@@ -12,6 +12,7 @@ real storage folders, real tiny-model renders, real worker threads and processes
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -421,3 +422,18 @@ def test_a_job_that_keeps_losing_its_worker_fails_after_max_lost(db, tmp_path):
                              "last worker nohost.invalid:3")
     assert [a.state for a in by_job[jobs[0].id]] == ["failed"] * 3
     assert claim_group(db, "w:1", "b") == []  # never claimed again
+
+
+def test_max_lost_is_an_option_of_submit_and_run(sqlite_url, tmp_path, monkeypatch):
+    """`--max-lost N` sets the batch's limit of attempts lost with their worker; status shows it."""
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", sqlite_url)
+    (tmp_path / "b.csv").write_text('prompt\n"a bowl of noodles, orbit"\n')
+    res = CliRunner().invoke(main, ["submit", "b.csv", "--batch", "b", "--max-lost", "5", "--size", "64", "--frames", "8"])
+    assert res.exit_code == 0, res.output
+    status = CliRunner().invoke(main, ["status", "b", "--json"])
+    assert json.loads(status.output)["max_lost"] == 5

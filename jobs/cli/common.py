@@ -136,11 +136,15 @@ def submit_options(fn):
                   help="lightning (Euler, trailing) or lcm [default: what the model folder's scheduler is].")
     @click.option("--guidance", type=float, default=1.0, show_default=True, help="CFG scale; 1.0 turns guidance off (distilled models).")
     @click.option("--max-attempts", type=int, default=2, show_default=True, help="Render tries per job before it fails.")
+    @click.option("--max-lost", type=int, default=3, show_default=True,
+                  help="Attempts a job may lose with its worker (killed, lease expired) before it fails; they do not "
+                       "count against --max-attempts.")
     @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first.")
     @functools.wraps(fn)
-    def wrapper(*args, opts, out, batch_name, skip_invalid, sampler, guidance, max_attempts, priority, **kw):
+    def wrapper(*args, opts, out, batch_name, skip_invalid, sampler, guidance, max_attempts, max_lost, priority, **kw):
         opts.out, opts.batch, opts.skip_invalid = out, batch_name, skip_invalid
         opts.sampler, opts.guidance, opts.max_attempts, opts.priority = sampler, guidance, max_attempts, priority
+        opts.max_lost = max_lost
         return fn(*args, opts=opts, **kw)
 
     return wrapper

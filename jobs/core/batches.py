@@ -93,7 +93,7 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
     ``SetupProblem`` (see core.preflight), both before anything is written.
     """
     if not 1 <= opts.max_lost <= 10:
-        raise SubmitError(f"max_lost {opts.max_lost}: out of range; allowed: 1 to 10")
+        raise SubmitError(f"--max-lost {opts.max_lost}: out of range; allowed: 1 to 10")
     info, batch_file = check_file(path, opts)
     if opts.sampler is not None and info.family == "wan":
         raise SubmitError(f"--sampler {opts.sampler!r}: the wan model {opts.model!r} samples with 'flow' (flow-matching "

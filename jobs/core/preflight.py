@@ -41,8 +41,8 @@ class SetupProblem(RuntimeError):
 
 
 def check_submit_options(opts) -> None:
-    """The ranges of ``SubmitOptions`` that need no model: fps, guidance, attempts, priority,
-    sampler and batch name."""
+    """The ranges of ``SubmitOptions`` that need no model: fps, guidance, attempts, lost
+    attempts, priority, sampler and batch name."""
     d = opts.defaults
     if isinstance(d.fps, bool) or not isinstance(d.fps, int) or not MIN_FPS <= d.fps <= MAX_FPS:
         raise BadOption(f"--fps {d.fps}: out of range; allowed: an integer from {MIN_FPS} to {MAX_FPS}")
@@ -50,6 +50,8 @@ def check_submit_options(opts) -> None:
         raise BadOption(f"--guidance {opts.guidance:g}: out of range; allowed: {MIN_GUIDANCE:g} (off) to {MAX_GUIDANCE:g}")
     if not MIN_ATTEMPTS <= opts.max_attempts <= MAX_ATTEMPTS:
         raise BadOption(f"--max-attempts {opts.max_attempts}: out of range; allowed: {MIN_ATTEMPTS} to {MAX_ATTEMPTS}")
+    if not MIN_ATTEMPTS <= opts.max_lost <= MAX_ATTEMPTS:
+        raise BadOption(f"--max-lost {opts.max_lost}: out of range; allowed: {MIN_ATTEMPTS} to {MAX_ATTEMPTS}")
     if not MIN_PRIORITY <= opts.priority <= MAX_PRIORITY:
         raise BadOption(f"--priority {opts.priority}: out of range; allowed: an integer from {MIN_PRIORITY} to "
                         f"{MAX_PRIORITY} (higher goes first)")
