@@ -151,8 +151,9 @@ def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_pat
     with pytest.raises(ValueError, match="other settings"):
         LatentPool.build(tmp_path / "pool", 0.0, "vae-b", 10, 3, lambda m: None, encode)
     data = PoolData(clean_caption, 0, pool)
-    z, captions, labels = data.latents(6)
+    z, mask, captions, labels = data.latents(6)
     assert z.shape == (6, 3, shapes.FRAMES, 16, 16) and z.dtype == torch.float32 and len(captions) == 6
+    assert mask.shape == (6, shapes.FRAMES, 16, 16) and 0 < mask.mean() < 0.25 and mask.max() == 1.0
     for cap, lab in zip(captions, labels.tolist()):  # every caption names its clip's spec
         spec = shapes.Spec(*(shapes.VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, lab)))
         assert cap in (clean_caption(shapes.caption(spec, "en")), clean_caption(shapes.caption(spec, "zh")))

@@ -4,7 +4,9 @@
 latents instead, drawn from a :class:`LatentPool`: a fixed set of training clips encoded once by
 the frozen VAE and kept on disk as float16 (16 KiB a clip). Encoding a batch of 8 clips costs
 about 0.5 s on one core, as much as a third of a teacher step; read from the pool it is free.
-Captions are drawn per use (either language), so the pool holds specs, not captions.
+Captions are drawn per use (either language), so the pool holds specs, not captions. It also
+holds each clip's shape mask at latent resolution (:func:`latent_mask`): the denoisers weight
+their loss up on the shape, a few percent of the frame that carries its colour, shape and motion.
 """
 
 from __future__ import annotations
@@ -88,6 +90,14 @@ def _frames_tensor(clips: list[shapes.Clip]) -> torch.Tensor:
     return torch.from_numpy(np.stack([c.frames for c in clips])).permute(0, 1, 4, 2, 3).float() / 127.5 - 1.0
 
 
+def latent_mask(alpha: torch.Tensor, side: int) -> torch.Tensor:
+    """Shape coverage (B, T, H, W) in [0, 1] to (B, T, side, side) float16: each latent cell's
+    largest coverage, so a cell the shape's edge touches counts as the shape's."""
+    b, t = alpha.shape[:2]
+    m = torch.nn.functional.adaptive_max_pool2d(alpha.float().flatten(0, 1)[:, None], side)
+    return m.view(b, t, side, side).half()
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file (the VAE weights a pool was encoded with)."""
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -95,7 +105,8 @@ def file_digest(path: Path) -> str:
 
 class LatentPool:
     """Training clips' scaled latents (N, C, T, h, w) float16, encoded once by a frozen VAE, with
-    each clip's spec index into ``shapes.split_specs(split)``.
+    their shape masks (N, T, h, w) float16 and each clip's spec index into
+    ``shapes.split_specs(split)``.
 
     :meth:`build` writes a folder: ``meta.json`` (what the pool was encoded with) and one
     ``chunk-NNNN.pt`` per :data:`CHUNK` clips, so a killed build resumes at its last chunk. A pool
@@ -104,8 +115,9 @@ class LatentPool:
 
     CHUNK = 512
 
-    def __init__(self, latents: torch.Tensor, spec_index: torch.Tensor, split: shapes.Split = "train"):
-        self.latents, self.spec_index, self.split = latents, spec_index, split
+    def __init__(self, latents: torch.Tensor, masks: torch.Tensor, spec_index: torch.Tensor,
+                 split: shapes.Split = "train"):
+        self.latents, self.masks, self.spec_index, self.split = latents, masks, spec_index, split
         self.specs = shapes.split_specs(split)
 
     def __len__(self) -> int:
@@ -117,7 +129,7 @@ class LatentPool:
         """Load the pool in ``folder``, or encode it (``encode(vae, frames) -> latents``), resuming
         a partial build. The clips are drawn from ``seed`` alone, so a rebuild gives the same pool."""
         folder = Path(folder)
-        meta = {"vae": vae_digest, "seed": seed, "split": split, "clips": clips, "chunk": cls.CHUNK}
+        meta = {"vae": vae_digest, "seed": seed, "split": split, "clips": clips, "chunk": cls.CHUNK, "masks": True}
         if (folder / "meta.json").exists():
             theirs = json.loads((folder / "meta.json").read_text())
             if theirs != meta:
@@ -137,14 +149,17 @@ class LatentPool:
             t0, encoded = time.time(), 0
             for k, start in enumerate(todo, 1):
                 sl = slice(start, min(start + cls.CHUNK, clips))
-                frames = _frames_tensor([shapes.render(pool[int(i)], int(s)) for i, s in zip(idx[sl], seeds[sl])])
+                rendered = [shapes.render(pool[int(i)], int(s)) for i, s in zip(idx[sl], seeds[sl])]
+                frames = _frames_tensor(rendered)
                 z = torch.cat([encode(vae, frames[j:j + 16]) for j in range(0, len(frames), 16)]).half()
-                _atomic_save(folder / f"chunk-{start // cls.CHUNK:04d}.pt", z)
+                mask = latent_mask(torch.from_numpy(np.stack([c.alpha for c in rendered])), z.shape[-1])
+                _atomic_save(folder / f"chunk-{start // cls.CHUNK:04d}.pt", {"latents": z, "masks": mask})
                 encoded += len(frames)
                 rate = (time.time() - t0) / encoded
                 log(f"[pool] chunk {k}/{len(todo)}: {rate * 1000:.0f} ms/clip, eta {(left - encoded) * rate / 60:.0f}min")
-        latents = torch.cat([torch.load(folder / f"chunk-{i // cls.CHUNK:04d}.pt", weights_only=True) for i in starts])
-        return cls(latents, torch.from_numpy(idx), split)
+        chunks = [torch.load(folder / f"chunk-{i // cls.CHUNK:04d}.pt", weights_only=True) for i in starts]
+        return cls(torch.cat([c["latents"] for c in chunks]), torch.cat([c["masks"] for c in chunks]),
+                   torch.from_numpy(idx), split)
 
 
 def _atomic_save(path: Path, obj) -> None:
@@ -161,11 +176,13 @@ class PoolData(ShapesData):
         super().__init__(clean, seed, pool.split, languages)
         self.latent_pool = pool
 
-    def latents(self, n: int) -> tuple[torch.Tensor, list[str], torch.Tensor]:
-        """(latents (n, C, T, h, w) float32, cleaned captions, labels (n, 5))."""
+    def latents(self, n: int) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
+        """(latents (n, C, T, h, w) float32, shape masks (n, T, h, w) float32, cleaned captions,
+        labels (n, 5))."""
         rows = self.rng.integers(0, len(self.latent_pool), n)
         specs = [self.latent_pool.specs[int(self.latent_pool.spec_index[r])] for r in rows]
         langs = [self.languages[int(self.rng.integers(len(self.languages)))] for _ in rows]
         caps = [self.cleaned(shapes.caption(s, lang)) for s, lang in zip(specs, langs)]  # type: ignore[arg-type]
         labels = torch.tensor([labels_of(s) for s in specs])
-        return self.latent_pool.latents[torch.from_numpy(rows)].float(), caps, labels
+        pick = torch.from_numpy(rows)
+        return self.latent_pool.latents[pick].float(), self.latent_pool.masks[pick].float(), caps, labels

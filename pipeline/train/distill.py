@@ -41,7 +41,7 @@ from ..sampler import make_scheduler, sample
 from . import nets
 from .data import Clean, PoolData, ShapesData
 from .stages import (DenoiserConfig, Log, Probe, StageConfig, StageResult, TextCache, _done, _mark_done, _Meter,
-                     decode_latents, export_pipeline, latent_pool, resume, save_checkpoint)
+                     decode_latents, export_pipeline, latent_pool, resume, save_checkpoint, shape_weight)
 
 STAGE = "student"
 TIER_STEPS = tuple(tier.steps for tier in TIERS.values())  # fast, quality
@@ -113,12 +113,13 @@ def grid_timesteps(idx: torch.Tensor, lcm: LCMConfig) -> tuple[torch.Tensor, tor
 
 def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor,
                      acp: torch.Tensor, lcm: LCMConfig, idx: torch.Tensor | None = None,
-                     noise: torch.Tensor | None = None) -> torch.Tensor:
+                     noise: torch.Tensor | None = None, cells: torch.Tensor | None = None) -> torch.Tensor:
     """One LCM distillation loss on clean latents ``z0`` (B, C, T, h, w).
 
     ``cond`` (B, tokens, dim) and ``uncond`` (1, tokens, dim) are text states (not yet repeated
     per frame). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
-    unless given (the probe gives fixed ones).
+    unless given (the probe gives fixed ones). ``cells`` (B, 1, T, h, w) weights the loss per
+    latent cell (``stages.shape_weight``), as in the teacher's loss.
     """
     b, frames = len(z0), z0.shape[2]
     if idx is None:
@@ -136,9 +137,8 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
         x_s = guided_ddim_step(teacher, x_t, t, s, cond, uncond, acp, lcm.guidance)
         x0_target, _ = _x0_eps(target(x_s, s, encoder_hidden_states=ehs_c).sample, x_s, a_s)
         tgt = _bcast(cs_s) * x_s + _bcast(co_s) * x0_target
-    if lcm.huber_c == 0:
-        return ((pred - tgt) ** 2).mean()
-    return ((pred - tgt) ** 2 + lcm.huber_c**2).sqrt().sub(lcm.huber_c).mean()
+    err = (pred - tgt) ** 2 if lcm.huber_c == 0 else ((pred - tgt) ** 2 + lcm.huber_c**2).sqrt().sub(lcm.huber_c)
+    return (err if cells is None else err * cells).mean()
 
 
 def consistency_output(unet, x_t: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, acp: torch.Tensor,
@@ -206,7 +206,7 @@ def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: 
 
 
 def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCMConfig = LCMConfig(),
-                  pool_clips: int = DenoiserConfig.pool_clips) -> StageResult:
+                  net: DenoiserConfig = DenoiserConfig()) -> StageResult:
     """Distil ``root/teacher/pipeline`` into ``root/student/pipeline`` (an LCM AnimateDiff folder).
 
     Resumable like the other stages (``root/student/state.pt``). The probe loss is the
@@ -236,7 +236,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     student = copy.deepcopy(teacher).train().requires_grad_(True)
     target = copy.deepcopy(teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
-    data = PoolData(clean, cfg.seed, latent_pool(root, vae, pool_clips, cfg.seed, log))  # the teacher's pool
+    data = PoolData(clean, cfg.seed, latent_pool(root, vae, net.pool_clips, cfg.seed, log))  # the teacher's pool
     parts = {"model": student, "target": target, "opt": opt}
     step = resume(root / STAGE / "state.pt", parts, data, log, STAGE)
     log(f"[{STAGE}] LCM distillation of the teacher ({nets.count(student) / 1e6:.2f} M params), batch {cfg.batch} "
@@ -259,10 +259,11 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     losses = result.losses
     while step < cfg.steps:
         step += 1
-        z0, captions, _ = data.latents(cfg.batch)
+        z0, mask, captions, _ = data.latents(cfg.batch)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
-        loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm)
+        loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm,
+                                cells=shape_weight(mask, net.shape_gain))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)

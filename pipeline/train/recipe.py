@@ -47,8 +47,7 @@ class Recipe:
             "vae": lambda root, clean, log: train_vae(root, self.vae, clean, log, channels=self.vae_channels),
             "text": lambda root, clean, log: train_text(root, self.text, clean, log),
             "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, self.denoiser),
-            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm,
-                                                              self.denoiser.pool_clips),
+            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm, self.denoiser),
         }
         if name not in runs:
             raise ValueError(f"stage {name!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
