@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Iterator, Literal
 
@@ -138,6 +139,31 @@ def caption(spec: Spec, language: Literal["en", "zh"] = "en") -> str:
     if language == "zh":
         return caption_zh(spec)
     raise ValueError(f"language={language!r}; allowed: en, zh")
+
+
+def _alternation(words) -> str:
+    return "(" + "|".join(re.escape(w) for w in sorted(words, key=len, reverse=True)) + ")"
+
+
+_EN_PATTERN = re.compile(
+    rf"^\s*an?\s+{_alternation(COLOURS)}\s+{_alternation(SHAPES)}\s+{_alternation(MOTIONS)}\s+on\s+an?\s+"
+    rf"{_alternation(BACKGROUNDS)}\s+background\s*[,，]\s*{_alternation(CAMERAS)}\s*\.?\s*$", re.IGNORECASE)
+_ZH_PATTERN = re.compile(
+    rf"^\s*{_alternation(COLOURS_ZH.values())}{_alternation(SHAPES_ZH.values())}{_alternation(MOTIONS_ZH.values())}"
+    rf"\s*[,，]\s*{_alternation(BACKGROUNDS_ZH.values())}背景\s*[,，]\s*{_alternation([*CAMERAS_ZH.values(), *CAMERAS])}"
+    rf"\s*[。.]?\s*$", re.IGNORECASE)
+_FROM_ZH = {zh: en for table in VOCAB_ZH.values() for en, zh in table.items()}
+
+
+def parse(prompt: str) -> Spec | None:
+    """The spec a prompt of the grammar asks for, in English or Chinese, raw or as the project's
+    prompt cleaning leaves it (which turns the Chinese camera terms into the English ones); None
+    for any other prompt."""
+    if m := _EN_PATTERN.match(prompt):
+        return Spec(*(g.lower() for g in m.groups()))
+    if m := _ZH_PATTERN.match(prompt):
+        return Spec(*(_FROM_ZH.get(g, g.lower()) for g in m.groups()))
+    return None
 
 
 def all_specs() -> list[Spec]:

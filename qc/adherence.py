@@ -293,3 +293,12 @@ def score(frames: np.ndarray, spec: shapes.Spec) -> Mapping[str, bool]:
     """Per attribute, whether one clip shows what ``spec`` asks."""
     a = analyze(frames)
     return {attr: getattr(a, attr) == getattr(spec, attr) for attr in shapes.ATTRIBUTES}
+
+
+def report(frames: np.ndarray, spec: shapes.Spec) -> dict:
+    """One clip against its spec, JSON-ready: ``asked`` and ``read`` (attribute -> word, None
+    where nothing was read) and ``match`` (attribute -> bool)."""
+    a = analyze(frames)
+    read = a.label()
+    return {"asked": spec.as_dict(), "read": read, "match": {k: read[k] == getattr(spec, k) for k in shapes.ATTRIBUTES}}
+

@@ -92,6 +92,42 @@ def test_run_end_to_end(db_url, tmp_path):
     db.dispose()
 
 
+def test_run_records_and_prints_adherence_for_prompts_in_the_shapes_grammar(sqlite_url, tmp_path):
+    from clipmill.pipeline import shapes
+    from clipmill.pipeline.video import decode
+    from clipmill.qc import adherence
+
+    (tmp_path / "mix.csv").write_text(
+        "id,prompt,seed\n"
+        "en,\"a red circle moves right on a black background, static shot\",5\n"
+        "zh,白色圆形向上移动，灰色背景，变焦推进,6\n"
+        "ad,\"a bowl of ramen on a table, dolly in\",7\n"
+    )
+    out = tmp_path / "out"
+    proc = clipmill("run", "mix.csv", "--batch", "mix", "--out", str(out), "--size", "64", "--frames", "8",
+                    "--max-attempts", "1", db_url=sqlite_url, cwd=tmp_path)
+    assert "adherence (2 clip(s) with prompts in the shapes grammar" in proc.stdout
+    assert "  all: colour " in proc.stdout
+    db = Database(sqlite_url)
+    with db.session() as s:
+        rows = s.execute(select(Job.client_id, Job.id, Attempt.adherence).join(Attempt)).all()
+    db.dispose()
+    by = {r.client_id: r for r in rows}
+    assert by["ad"].adherence is None
+    asked = {"en": shapes.Spec("red", "circle", "moves right", "black", "static shot"),
+             "zh": shapes.Spec("white", "circle", "moves up", "grey", "zoom in")}
+    for cid, spec in asked.items():
+        rec = by[cid].adherence
+        assert rec["asked"] == spec.as_dict()
+        # what was recorded is what the analyzer reads in the delivered H.264 file
+        read = adherence.analyze(decode(out / "mix" / str(by[cid].id) / "a1.mp4")[0]).label()
+        assert rec["read"] == read
+        assert rec["match"] == {k: read[k] == getattr(spec, k) for k in shapes.ATTRIBUTES}
+        side = json.loads((out / "mix" / str(by[cid].id) / "a1.json").read_text())
+        assert side["adherence"] == rec
+        assert f"job {by[cid].id} (line " in proc.stdout
+
+
 @pytest.mark.slow
 def test_resume_after_crash_finishes_every_job_once(sqlite_url, tmp_path):
     """A run that died mid-batch (one group claimed by a dead process, one rendered but not

@@ -107,3 +107,18 @@ def test_analyzer_takes_more_frames_and_larger_sizes():
     up = np.repeat(frames, 3, axis=0)  # 24 fps, frame-repeated
     up = np.stack([cv2.resize(f, (128, 128), interpolation=cv2.INTER_CUBIC) for f in up])
     assert adherence.analyze(up).label() == spec.as_dict()
+
+
+def test_parse_reads_every_caption_raw_and_cleaned_and_nothing_else():
+    from clipmill.jobs.cli.train import clean_caption
+
+    for spec in shapes.all_specs():
+        for lang in ("en", "zh"):
+            raw = shapes.caption(spec, lang)
+            assert shapes.parse(raw) == spec
+            assert shapes.parse(clean_caption(raw)) == spec  # the cleaning turns 左摇 into "pan left"
+    assert shapes.parse("A Red circle moves left on a black background, pan right.") == shapes.Spec(
+        "red", "circle", "moves left", "black", "pan right")
+    for other in ("a bowl of ramen on a table, dolly in", "a red circle moves left on a black background",
+                  "a purple circle moves left on a black background, pan right", "红色圆形向左移动，黑色背景"):
+        assert shapes.parse(other) is None

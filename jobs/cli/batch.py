@@ -253,6 +253,26 @@ def _summary(st: dict, wall: float) -> None:
     for r in rejected[:20]:
         why = "; ".join(r["reasons"]) or (r["error"] or "")
         out.print(f"  job {r['job']} (line {r['line']}) {r['state']}: {why}", soft_wrap=True, markup=False)
+    _adherence(st["rows"])
+
+
+def _adherence(rows: list[dict]) -> None:
+    """Each delivered clip's adherence, for prompts in the shapes grammar: what the analyzer
+    read against what the prompt asked, and the share right per attribute."""
+    from clipmill.pipeline.shapes import ATTRIBUTES
+
+    scored = [r for r in rows if r["adherence"]]
+    if not scored:
+        return
+    out.print(f"adherence ({len(scored)} clip(s) with prompts in the shapes grammar; what the analyzer reads in each):",
+              markup=False, highlight=False)
+    for r in scored:
+        a = r["adherence"]
+        words = [f"{k} {'ok' if a['match'][k] else 'NO (read ' + str(a['read'][k]) + ')'}" for k in ATTRIBUTES]
+        out.print(f"  job {r['job']} (line {r['line']}) {r['state']}: " + ", ".join(words), soft_wrap=True,
+                  markup=False, highlight=False)
+    share = {k: sum(r["adherence"]["match"][k] for r in scored) / len(scored) for k in ATTRIBUTES}
+    out.print("  all: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()), markup=False, highlight=False)
 
 
 @click.command("submit")

@@ -265,7 +265,7 @@ def batch_status(db: Database, batch_id: str, limit: int | None = None) -> dict:
         jobs = s.execute(q if limit is None else q.limit(limit)).all()
         aq = (select(Attempt.job_id, Attempt.number, Attempt.state, Attempt.tier, Attempt.steps, Attempt.seed,
                      Attempt.verdict, Attempt.reasons, Attempt.location, Attempt.error, Attempt.group_size,
-                     Attempt.timings)
+                     Attempt.timings, Attempt.adherence)
               .join(Job).where(Job.batch_id == batch_id).order_by(Attempt.job_id, Attempt.number))
         if limit is not None:
             aq = aq.where(Attempt.job_id <= (jobs[-1].id if jobs else -1))
@@ -303,6 +303,7 @@ def batch_status(db: Database, batch_id: str, limit: int | None = None) -> dict:
                         "error": a.error,
                         "group_size": a.group_size,
                         "timings": a.timings,
+                        "adherence": a.adherence,
                     }
                     for a in atts
                 ],
@@ -312,6 +313,7 @@ def batch_status(db: Database, batch_id: str, limit: int | None = None) -> dict:
                 "verdict": last.verdict if last else None,
                 "reasons": (last.reasons or []) if last else [],
                 "location": last.location if last else None,
+                "adherence": last.adherence if last else None,
                 "error": j.error,
             }
         )

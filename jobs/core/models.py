@@ -104,6 +104,8 @@ class Attempt(Base):
     group_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     timings: Mapped[dict] = mapped_column(JSON, default=dict)
     qc_metrics: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    # prompts in the shapes grammar: {"asked": {...}, "read": {...}, "match": {attribute: bool}}
+    adherence: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     verdict: Mapped[str | None] = mapped_column(String(16), nullable=True)
     reasons: Mapped[list | None] = mapped_column(JSON, nullable=True)
     raw_key: Mapped[str | None] = mapped_column(Text, nullable=True)  # rendered frames, until post

@@ -30,11 +30,13 @@ from clipmill.jobs.core.preflight import SetupProblem
 from clipmill.jobs.core.queue import attempts_left
 from clipmill.jobs.core.settings import Settings
 from clipmill.jobs.core.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
+from clipmill.pipeline import shapes
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer, RenderOptions
 from clipmill.pipeline.interpolate import interpolate
 from clipmill.pipeline.video import decode, encode_h264, poster_jpeg
 from clipmill.qc import QCConfig, check_frames_with_series
+from clipmill.qc.adherence import report as adherence_report
 from clipmill.qc.report import contact_sheet
 from clipmill.storage import Storage, open_storage
 
@@ -192,7 +194,15 @@ def render_group(
     return done
 
 
-def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict, files: dict, timings: dict) -> dict:
+def clip_adherence(prompt: str, frames: np.ndarray) -> dict | None:
+    """What the shapes world's analyzer reads in a delivered clip against what its prompt asks,
+    for prompts in the shapes grammar (English or Chinese); None for any other prompt."""
+    spec = shapes.parse(prompt)
+    return None if spec is None else adherence_report(frames, spec)
+
+
+def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict, files: dict, timings: dict,
+            adherence: dict | None = None) -> dict:
     return {
         "batch": job.batch_id,
         "job": job.id,
@@ -218,6 +228,7 @@ def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict
         "group_size": attempt.group_size,
         "timings": timings,
         "qc": qc,
+        "adherence": adherence,
         "files": files,
         "created_at": now().isoformat(),
     }
@@ -313,9 +324,11 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         timings["post_s"] = time.perf_counter() - t0
         timings = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in timings.items()}
         qc = result.to_dict()
+        adherence = clip_adherence(job.prompt, decoded)
         storage.put_bytes(
             files["sidecar"],
-            json.dumps(sidecar(job, a, fps_in, len(decoded), qc, files, timings), ensure_ascii=False, indent=2).encode(),
+            json.dumps(sidecar(job, a, fps_in, len(decoded), qc, files, timings, adherence), ensure_ascii=False,
+                       indent=2).encode(),
         )
     except Exception:
         err = traceback.format_exc()
@@ -329,7 +342,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         with ctx.db.session() as s, s.begin():
             move_attempt(
                 s, a.id, AttemptState.RENDERED, AttemptState.PASSED if passed else AttemptState.REJECTED,
-                verdict=result.verdict, reasons=result.reasons, qc_metrics=result.metrics,
+                verdict=result.verdict, reasons=result.reasons, qc_metrics=result.metrics, adherence=adherence,
                 clip_key=files["clip"], poster_key=files["poster"], sidecar_key=files["sidecar"],
                 location=location, timings=timings, finished_at=now(), raw_key=None,
             )
