@@ -78,6 +78,12 @@ class ModelInfo:
     default_frames: int = 16
     guidance_distilled: bool = True  # distilled models run at guidance 1.0; CFG > 6 over-exposes them
     has_tiny_vae: bool = False  # the folder has vae_tiny/ (AutoencoderTiny, TAESD-style)
+    # clipmill.json "world": "shapes" for a model of the shapes world (its prompts can be checked
+    # by qc.adherence); "teacher": a diffusers folder (relative to this one) of the undistilled
+    # model it was distilled from, sampled by DDIM at "teacher_guidance" (clipmill bench's row 0)
+    world: str | None = None
+    teacher: Path | None = None
+    teacher_guidance: float = 7.5
 
     @property
     def is_tiny(self) -> bool:
@@ -392,7 +398,20 @@ def _animatediff_info(model: str, path: Path) -> ModelInfo:
         default_frames=int(extra.get("default_frames", 16)),
         guidance_distilled=bool(extra.get("guidance_distilled", True)),
         has_tiny_vae=(path / "vae_tiny" / "config.json").exists(),
+        **_teacher_and_world(path, extra),
     )
+
+
+def _teacher_and_world(path: Path, extra: dict) -> dict:
+    """``world``, ``teacher`` and ``teacher_guidance`` from a folder's clipmill.json."""
+    out: dict = {"world": extra.get("world"), "teacher_guidance": float(extra.get("teacher_guidance", 7.5))}
+    if extra.get("teacher"):
+        teacher = path / extra["teacher"]
+        if not (teacher / "model_index.json").exists():
+            raise ModelError(f"{path / 'clipmill.json'}: teacher {extra['teacher']!r}: {teacher / 'model_index.json'} "
+                             "is missing; it must be a diffusers pipeline folder inside the model folder")
+        out["teacher"] = teacher
+    return out
 
 
 def _wan_info(model: str, path: Path) -> ModelInfo:

@@ -302,3 +302,42 @@ def report(frames: np.ndarray, spec: shapes.Spec) -> dict:
     read = a.label()
     return {"asked": spec.as_dict(), "read": read, "match": {k: read[k] == getattr(spec, k) for k in shapes.ATTRIBUTES}}
 
+
+FEATURES = ("travel_x", "travel_y", "pan", "log_zoom", "top", "bottom", "found")
+
+
+def features(a: Analysis) -> np.ndarray:
+    """The analyzer's measurements of one clip as a vector (:data:`FEATURES`): the shape's travel
+    relative to the background, the background's drift, the log of the zoom, the shape's corner
+    fills and the share of frames with a shape (0 for what was not measured)."""
+    v = np.array([a.travel[0], a.travel[1], a.pan, np.log(max(a.zoom, 1e-6)), a.top, a.bottom, a.found], np.float64)
+    return np.nan_to_num(v, nan=0.0)
+
+
+def frechet_distance(x: np.ndarray, y: np.ndarray) -> float:
+    """Fréchet distance between Gaussians fitted to two sets of feature rows (N, D) and (M, D):
+    ``|mu_x - mu_y|^2 + Tr(S_x + S_y - 2 (S_x^1/2 S_y S_x^1/2)^1/2)``, as FID, on the analyzer's
+    features (:func:`features`) instead of an Inception network's. Needs 2 or more rows each."""
+    if len(x) < 2 or len(y) < 2:
+        raise ValueError(f"frechet_distance: {len(x)} and {len(y)} rows; needs at least 2 in each set")
+    mx, my = x.mean(0), y.mean(0)
+    sx, sy = np.atleast_2d(np.cov(x, rowvar=False)), np.atleast_2d(np.cov(y, rowvar=False))
+    w, v = np.linalg.eigh(sx)
+    root = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    cross = np.sqrt(np.clip(np.linalg.eigvalsh(root @ sy @ root), 0, None)).sum()
+    return float(max(((mx - my) ** 2).sum() + np.trace(sx) + np.trace(sy) - 2 * cross, 0.0))
+
+
+def read_distance(a: Sequence[Analysis], b: Sequence[Analysis]) -> dict[str, float]:
+    """Per attribute, the total variation distance between what the analyzer read in two sets of
+    clips made from the same prompts (0: the same mix of words, 1: nothing in common). A
+    distribution-level figure: a distilled student is not pixel-aligned with its teacher, but on
+    the same prompts it should draw the same things as often."""
+    out = {}
+    for attr in shapes.ATTRIBUTES:
+        words = sorted({str(getattr(x, attr)) for x in (*a, *b)})
+        pa = np.array([sum(str(getattr(x, attr)) == w for x in a) for w in words], float) / max(len(a), 1)
+        pb = np.array([sum(str(getattr(x, attr)) == w for x in b) for w in words], float) / max(len(b), 1)
+        out[attr] = round(float(np.abs(pa - pb).sum() / 2), 4)
+    return out
+

@@ -376,7 +376,7 @@ def test_counting_hooks_come_off_the_model_after_a_bench_row(model, tiny_cache):
         for key in ("2", "4"):  # plain 6 steps, then with the feature cache
             row = rows[key]
             row.clips = 1
-            run_rows(renderer, [row], requests(info, (64, 64), frames, 1), "cpu", repeat=1)
+            run_rows({False: renderer, True: renderer}, [row], requests(info, (64, 64), frames, 1), "cpu", repeat=1)
             counted = row.out["work"]
             if model == "tiny-wan":
                 assert counted["blocks_run"] > 0  # the counters counted ...

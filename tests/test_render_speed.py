@@ -353,12 +353,37 @@ def test_submit_refuses_frame_counts_wan_cannot_take(tmp_path):
 # -- the ladder ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_bench_json_has_every_row_with_ratios_and_deviations(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "bench", "--model", "tiny", "--size", "64", "--frames", "8",
-                           "--repeat", "1", "--json"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+def test_bench_json_has_every_row_with_ratios_deviations_and_quality_columns(tmp_path, tiny_cache):
+    """A model folder of the shapes world that ships its teacher (here: the tiny model twice):
+    row 0 is the teacher, and every row carries the quality columns on shapes-world prompts."""
+    import shutil
+
+    from clipmill.pipeline.models import tiny_path
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_path("tiny"), folder)
+    shutil.copytree(tiny_path("tiny"), folder / "teacher")
+    meta = json.loads((folder / "clipmill.json").read_text())
+    (folder / "clipmill.json").write_text(json.dumps(dict(meta, world="shapes", teacher="teacher", teacher_guidance=3.0)))
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "bench", "--model", str(folder), "--size", "64",
+                           "--frames", "8", "--repeat", "1", "--quality-clips", "6", "--json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(proc.stdout)
     rows = {r["row"]: r for r in res["rows"]}
+    assert res["prompts"] == "shapes" and res["teacher"] == str(folder / "teacher") and res["quality_clips"] == 6
+    assert "undistilled teacher" in rows["0"]["name"] and rows["0"]["guidance"] == 3.0
+    for r in rows.values():
+        q = r["quality"]
+        assert q["clips"] == 6 and q["heldout_clips"] == 3
+        assert set(q["adherence"]) == set(q["adherence_heldout"]) == {"colour", "shape", "motion", "background", "camera"}
+        assert all(0 <= v <= 1 for v in q["adherence"].values())
+        if r["row"] == "0":
+            assert q["read_distance_vs_row0"] is None and q["frechet_vs_row0"] is None
+        else:
+            assert all(0 <= v <= 1 for v in q["read_distance_vs_row0"].values()) and q["frechet_vs_row0"] >= 0
+    assert rows["3"]["quality"]["identical_to_twin"]  # the text K/V cache is exact
+    assert rows["4"]["quality"]["psnr_vs_twin_db"] > 30  # the feature cache is not
     assert list(rows) == [str(i) for i in range(8)]
     assert [rows[k]["denoiser_evaluations_per_clip"] for k in "012"] == [100, 8, 6]
     assert rows["0"]["speedup_render"] == 1.0 and rows["2"]["speedup_render"] > 3

@@ -17,6 +17,16 @@ H.264 + decode + QC), speed-up over row 0, PSNR of decoded frames against its un
 skipped (denoiser evaluations per clip, K/V projections, blocks), and on a GPU the model FLOP
 utilisation. A guidance section compares CFG, R-CFG (both variants) and guidance off at the
 same seed and guidance scale, and a decoder section the VAE against the tiny autoencoder.
+
+Quality columns, on prompts of the shapes world (the default for a model whose clipmill.json
+says ``"world": "shapes"``, or ``--prompts shapes``): every row renders the same
+``quality_clips`` prompts and seeds, half of them from the held-out (colour, motion, camera)
+combinations, half in Chinese; the world's analyzer reads each clip. Per row: adherence per
+attribute; distribution distances to row 0 on the same prompts (per attribute, the total
+variation distance between the words read; the Fréchet distance on the analyzer's
+measurements), since a distilled student is not pixel-aligned with its teacher; and PSNR against
+the twin row on those clips. When the model folder names its undistilled ``teacher``, row 0 is
+that teacher at 50 DDIM steps and its own guidance.
 """
 
 from __future__ import annotations
@@ -31,12 +41,15 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from clipmill.jobs.core.cleaning import split_free_prompt
 from clipmill.jobs.runner.stages import convert_and_check
+from clipmill.pipeline import shapes
 from clipmill.pipeline.deepcache import DeepCacheConfig
 from clipmill.pipeline.guidance import RCFG_MAX_GUIDANCE
-from clipmill.pipeline.models import ModelInfo
+from clipmill.pipeline.models import ModelInfo, model_info
 from clipmill.pipeline.render import ClipRequest, ClipResult, GroupSettings, Renderer, RenderOptions
 from clipmill.qc import QCConfig
+from clipmill.qc import adherence as adh
 
 PROMPTS = (
     "a bowl of beef noodle soup on a wooden table, steam rising, slow dolly in",
@@ -60,7 +73,9 @@ class Row:
     clips: int = 4
     twin: str | None = None  # the row this one adds one layer to
     note: str = ""
+    teacher: bool = False  # rendered with the model's undistilled teacher
     results: list[ClipResult] = field(default_factory=list, repr=False)
+    quality: list[ClipResult] = field(default_factory=list, repr=False)  # the quality prompts' clips
     out: dict = field(default_factory=dict)
 
 
@@ -133,10 +148,16 @@ def ladder(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float,
     s6 = replace(s8, tier="fast")
     rcfg_on = 1.0 < guidance < RCFG_MAX_GUIDANCE and not wan
     s6r = replace(s6, guidance_mode="rcfg-self") if rcfg_on else s6
+    if info.teacher is not None:
+        row0 = Row("0", f"baseline: the undistilled teacher, DDIM 50 steps, CFG {info.teacher_guidance:g}, no cache, "
+                        "batch 1", GroupSettings(tier="quality", sampler="ddim", guidance=info.teacher_guidance,
+                                                 step_count=50), plain, clips=1, teacher=True)
+    else:
+        row0 = Row("0", f"baseline: {'flow Euler' if wan else 'DDIM'} 50 steps, CFG {base_guidance}, no cache, batch 1",
+                   GroupSettings(tier="quality", sampler="flow" if wan else "ddim", guidance=base_guidance,
+                                 step_count=50), plain, clips=1)
     rows = [
-        Row("0", f"baseline: {'flow Euler' if wan else 'DDIM'} 50 steps, CFG {base_guidance}, no cache, batch 1",
-            GroupSettings(tier="quality", sampler="flow" if wan else "ddim", guidance=base_guidance, step_count=50),
-            plain, clips=1),
+        row0,
         Row("1", f"8 steps ({sampler}, guidance {guidance:g})", s8, plain),
         Row("2", "6 steps", s6, plain),
         Row("3", "+ text K/V cache", s6, kv, twin="2"),
@@ -155,8 +176,27 @@ def requests(info: ModelInfo, size, frames, n) -> list[ClipRequest]:
     return [ClipRequest(i, PROMPTS[i % len(PROMPTS)], 1000 + i, frames, size[0], size[1], NEGATIVE) for i in range(n)]
 
 
-def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], device: str, repeat: int = 3,
-             progress=None) -> None:
+def world_specs(n: int, seed: int = 0) -> list[tuple[shapes.Spec, str]]:
+    """``n`` (spec, language) pairs of the shapes world, drawn from ``seed``: even ones from the
+    held-out (colour, motion, camera) combinations, odd ones from the training split; every
+    other pair of them in Chinese."""
+    rng = np.random.default_rng([seed, 0xBE7C])
+    splits = {"heldout": shapes.split_specs("heldout"), "train": shapes.split_specs("train")}
+    out = []
+    for i in range(n):
+        pool = splits["heldout" if i % 2 == 0 else "train"]
+        out.append((pool[int(rng.integers(len(pool)))], "zh" if (i // 2) % 2 else "en"))
+    return out
+
+
+def world_requests(size, frames, n: int, seed: int = 0) -> list[ClipRequest]:
+    """Shapes-world prompts, cleaned as ``clipmill run`` cleans a prompt column, seeds 1000 + i."""
+    return [ClipRequest(i, split_free_prompt(shapes.caption(spec, lang)).canonical(), 1000 + i, frames, size[0],
+                        size[1], "") for i, (spec, lang) in enumerate(world_specs(n, seed))]
+
+
+def run_rows(renderers: dict[bool, Renderer], rows: list[Row], reqs: list[ClipRequest], device: str,
+             repeat: int = 3, progress=None) -> None:
     """Render every row ``repeat`` times, the rows interleaved (so a noisy neighbour slows them
     alike), after one warm-up group each; fill ``row.out``. A row's time is its fastest run:
     interference from other processes only ever adds time (all runs are reported too)."""
@@ -166,6 +206,7 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
         for row in rows:
             if progress:
                 progress(f"round {rep + 1}/{repeat}, row {row.row}: {row.name}")
+            renderer = renderers[row.teacher]
             renderer.configure(row.options)
             if row.options.compile != "none" and renderer.compiled is None:
                 row.note = renderer.compile_message
@@ -219,13 +260,47 @@ def run_rows(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest], devic
         }
 
 
-def count_flops(renderer: Renderer, rows: list[Row], reqs: list[ClipRequest]) -> dict[str, float]:
+def run_quality(renderers: dict[bool, Renderer], rows: list[Row], reqs: list[ClipRequest], progress=None) -> None:
+    """Render ``reqs`` (shapes-world prompts) at every row's settings, options and batch size and
+    add the quality columns to ``row.out`` (after :func:`run_rows` and :func:`finish`)."""
+    specs = [shapes.parse(r.prompt) for r in reqs]
+    if None in specs:
+        raise ValueError("run_quality: every quality prompt must be in the shapes grammar")
+    reads: dict[str, list[adh.Analysis]] = {}
+    for row in rows:
+        if progress:
+            progress(f"quality: row {row.row}, {len(reqs)} clips")
+        renderer = renderers[row.teacher]
+        renderer.configure(replace(row.options, compile="none") if row.note and row.options.compile != "none"
+                           else row.options)
+        row.quality = [x for i in range(0, len(reqs), row.batch) for x in renderer.render(reqs[i:i + row.batch], row.settings)]
+        reads[row.row] = [adh.analyze(x.frames) for x in row.quality]
+    by = {r.row: r for r in rows}
+    base = rows[0]
+    base_feats = np.stack([adh.features(a) for a in reads[base.row]])
+    for row in rows:
+        a = reads[row.row]
+        q = {"clips": len(a), "heldout_clips": (len(a) + 1) // 2,
+             "adherence": {k: round(v, 4) for k, v in adh.adherence(a, specs).items()},
+             "adherence_heldout": {k: round(v, 4) for k, v in adh.adherence(a[0::2], specs[0::2]).items()}}
+        if row is base:
+            q["read_distance_vs_row0"] = q["frechet_vs_row0"] = None
+        else:
+            q["read_distance_vs_row0"] = adh.read_distance(a, reads[base.row])
+            q["frechet_vs_row0"] = round(adh.frechet_distance(np.stack([adh.features(x) for x in a]), base_feats), 4)
+        q["psnr_vs_twin_db"] = None if row.twin is None else psnr(row.quality, by[row.twin].quality)
+        q["identical_to_twin"] = row.twin is not None and q["psnr_vs_twin_db"] is None
+        row.out["quality"] = q
+
+
+def count_flops(renderers: dict[bool, Renderer], rows: list[Row], reqs: list[ClipRequest]) -> dict[str, float]:
     """FLOPs of one clip's render per row, counted by torch while it runs (caches included, so
     skipped work is not counted). GPU only: the count costs one more render per row."""
     from torch.utils.flop_counter import FlopCounterMode
 
     out = {}
     for row in rows:
+        renderer = renderers[row.teacher]
         renderer.configure(replace(row.options, compile="none"))
         todo = reqs[: row.batch]
         with FlopCounterMode(display=False) as counter:
@@ -309,20 +384,33 @@ def decoder_section(renderer: Renderer, info: ModelInfo, reqs) -> list[dict]:
 
 
 def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float = 1.0, device: str = "cpu",
-          compile_how: str = "torch", clips: int = 4, repeat: int = 3, progress=None) -> dict:
-    """Run the ladder and the side sections; returns everything as a JSON-ready dict."""
+          compile_how: str = "torch", clips: int = 4, repeat: int = 3, progress=None, prompts: str = "auto",
+          quality_clips: int = 32) -> dict:
+    """Run the ladder and the side sections; returns everything as a JSON-ready dict.
+
+    ``prompts``: ``shapes`` (the shapes world's grammar, with the quality columns over
+    ``quality_clips`` clips per row), ``ads`` (the ad prompts, no quality columns) or ``auto``
+    (``shapes`` for a model of the shapes world)."""
     if msg := info.check_frames(frames) or info.check_size(*size):
         raise ValueError(f"bench: {frames} frames at {size[0]}x{size[1]}: {msg}")
+    if prompts not in ("auto", "shapes", "ads"):
+        raise ValueError(f"bench: prompts={prompts!r}; allowed: auto, shapes, ads")
+    world = prompts == "shapes" or (prompts == "auto" and info.world == "shapes")
     t_start = time.perf_counter()
     renderer = Renderer(info, device=device)
+    renderers = {False: renderer, True: renderer}
     try:  # the speed layers' hooks come off the model however the bench ends
-        reqs = requests(info, size, frames, clips)
+        if info.teacher is not None:
+            renderers[True] = Renderer(model_info(str(info.teacher)), device=device)
+        reqs = world_requests(size, frames, clips) if world else requests(info, size, frames, clips)
         rows = ladder(info, size, frames, guidance, compile_how)
         for r in rows:
             r.clips = min(r.clips, clips)
-        run_rows(renderer, rows, reqs, device, repeat, progress)
-        flops = count_flops(renderer, rows, reqs) if device.startswith("cuda") else None
+        run_rows(renderers, rows, reqs, device, repeat, progress)
+        flops = count_flops(renderers, rows, reqs) if device.startswith("cuda") else None
         finish(rows, flops, device)
+        if world and quality_clips:
+            run_quality(renderers, rows, world_requests(size, frames, quality_clips, seed=1), progress)
         if progress:
             progress("guidance modes")
         g = guidance_section(renderer, info, reqs[:2], guidance if 1.0 < guidance < RCFG_MAX_GUIDANCE else 1.5)
@@ -330,7 +418,8 @@ def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float =
             progress("decoders")
         d = decoder_section(renderer, info, reqs[:2])
     finally:
-        renderer.close()
+        for r in {id(x): x for x in renderers.values()}.values():
+            r.close()
     best = max(rows, key=lambda r: r.out["speedup_render"])
     return {
         "model": info.name,
@@ -341,6 +430,9 @@ def bench(info: ModelInfo, size: tuple[int, int], frames: int, guidance: float =
         "frames": frames,
         "repeat": repeat,
         "dtype": str(renderer.dtype).replace("torch.", ""),
+        "prompts": "shapes" if world else "ads",
+        "teacher": str(info.teacher) if info.teacher is not None else None,
+        "quality_clips": quality_clips if world else 0,
         "rows": [r.out for r in rows],
         "best_row": best.row,
         "best_speedup_render": best.out["speedup_render"],

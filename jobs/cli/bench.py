@@ -9,6 +9,7 @@ import click
 
 from clipmill.jobs.cli.common import BadInput, default_device, domain_errors, err, out
 from clipmill.pipeline.models import TINY, ModelError
+from clipmill.pipeline.shapes import ATTRIBUTES
 
 
 @click.command("bench")
@@ -26,8 +27,14 @@ from clipmill.pipeline.models import TINY, ModelError
 @click.option("--compile", "compile_how", type=click.Choice(["torch", "tensorrt"]), default="torch", show_default=True,
               help="What row 7 compiles with (GPU only; elsewhere row 7 says why and runs uncompiled).")
 @click.option("--device", default=None, help="cpu, cuda or cuda:N [default: cuda if available].")
+@click.option("--prompts", type=click.Choice(["auto", "shapes", "ads"]), default="auto", show_default=True,
+              help="shapes: prompts of the shapes world, with the quality columns (adherence per attribute, "
+                   "distances to row 0, PSNR against the twin); ads: the ad prompts, speed only; auto: shapes "
+                   "for a model of the shapes world.")
+@click.option("--quality-clips", type=click.IntRange(0, 2000), default=32, show_default=True,
+              help="Clips per row for the quality columns (same prompts and seeds in every row; half held out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, as_json):
+def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -35,9 +42,15 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
     layer to, peak memory, and the denoiser evaluations, K/V projections and blocks each row did
     or skipped. Absolute seconds mean something only on a GPU; on a CPU read the ratios.
 
+    On prompts of the shapes world (the shapes model's default) each row also gets quality
+    columns: adherence per attribute as the world's analyzer reads it, the distance of what it
+    draws to row 0's clips on the same prompts, and PSNR against its twin row. Row 0 is the
+    model's undistilled teacher at 50 steps when its folder ships one.
+
     \b
     Example:
       clipmill bench --model tiny --json
+      clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --arch sd15 --device cuda --size 512 --frames 16
     """
     from rich.table import Table
@@ -63,7 +76,8 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
         if msg := info.check_frames(n_frames):
             raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
         result = bench(info, size_t, n_frames, guidance, device, compile_how, clips, repeat,
-                       progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")))
+                       progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")), prompts=prompts,
+                       quality_clips=quality_clips)
     except (ModelError, ValueError) as e:
         raise BadInput(str(e))
     if as_json:
@@ -80,6 +94,18 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
                   f"{r['render_s_per_clip']:.3f}", f"{r['end_to_end_s_per_clip']:.3f}", f"{r['speedup_render']:.1f}x",
                   f"{r['speedup_end_to_end']:.1f}x", p, f"{r['peak_memory_mib']:.0f}", skipped)
     out.print(t)
+    if any("quality" in r for r in result["rows"]):
+        q = Table("row", *ATTRIBUTES, "held-out (c/s/m/b/k)", "words vs row 0 (max TVD)", "Fréchet vs row 0",
+                  "PSNR vs twin", title=f"quality: adherence on {result['quality_clips']} shapes-world clips per row "
+                                        "(same prompts and seeds in every row)")
+        for r in result["rows"]:
+            qq = r["quality"]
+            p = ("" if r["twin"] is None else "identical" if qq["identical_to_twin"] else f"{qq['psnr_vs_twin_db']} dB")
+            q.add_row(r["row"], *(f"{qq['adherence'][k]:.0%}" for k in ATTRIBUTES),
+                      "/".join(f"{qq['adherence_heldout'][k] * 100:.0f}" for k in ATTRIBUTES),
+                      "" if qq["read_distance_vs_row0"] is None else f"{max(qq['read_distance_vs_row0'].values()):.2f}",
+                      "" if qq["frechet_vs_row0"] is None else f"{qq['frechet_vs_row0']:.4f}", p)
+        out.print(q)
     out.print(f"best: row {result['best_row']}, {result['best_speedup_render']}x render, "
               f"{result['best_speedup_end_to_end']}x end to end ({result['seconds']} s in all)")
     for g in result["guidance_modes"]:
