@@ -189,12 +189,17 @@ def test_export_loads_as_the_builtin_model_and_renders_the_fast_tier(trained, tm
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float16  # stored half, rendered float32
     meta = json.loads((dest / "clipmill.json").read_text())
     assert meta["tiers"] == {"fast": 6, "quality": 8} and meta["training"]["stages"]["student"]["step"] == 8
+    assert (meta["world"], meta["teacher"], meta["teacher_guidance"]) == ("shapes", "teacher", 3.0)
+    with safe_open(dest / "teacher" / "unet" / "diffusion_pytorch_model.safetensors", "pt") as f:
+        assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float16
 
     monkeypatch.setattr(models, "SHAPES_DIR", dest)
     info = models.model_info(models.SHAPES)
     assert info.path == dest and info.family == "animatediff" and info.scheduler == "lcm"
     assert (info.default_frames, info.native_fps, info.default_size) == (shapes.FRAMES, shapes.FPS, (64, 64))
     assert info.max_frames == 16 and not info.is_tiny
+    assert info.world == "shapes" and info.teacher == dest / "teacher" and info.teacher_guidance == 3.0
+    assert models.model_info(str(info.teacher)).scheduler == "lightning"  # the teacher: DDPM-trained, not LCM
 
     renderer = Renderer(info)
     assert renderer.dtype == torch.float32

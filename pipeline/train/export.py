@@ -2,8 +2,10 @@
 
 ``export_model(ckpt_dir, dest)`` takes the distilled student (``ckpt_dir/student/pipeline``, an
 AnimateDiff folder with an LCMScheduler), stores its UNet in float16 (the largest part; the VAE
-and text encoder stay float32), adds ``clipmill.json`` (the model's defaults, and what each
-training stage reported) and replaces ``dest`` atomically. The renderer loads it in float32
+and text encoder stay float32), adds the undistilled teacher it was distilled from as a complete
+folder of its own under ``teacher/`` (its UNet float16 too: ``clipmill bench``'s row 0, and
+``--model <folder>/teacher`` renders with it), adds ``clipmill.json`` (the model's defaults, the
+world it draws, and what each training stage reported) and replaces ``dest`` atomically. The renderer loads it in float32
 through ``from_pretrained`` like any user's folder (``pipeline.models``).
 """
 
@@ -18,9 +20,11 @@ from pathlib import Path
 from .. import shapes
 from ..choices import TIERS
 from ..models import SHAPES, SHAPES_VERSION
+from .distill import LCMConfig
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
 MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
+TEACHER = "teacher"  # the teacher's folder inside the model folder
 
 
 def folder_bytes(path: Path) -> int:
@@ -43,15 +47,20 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
                                 "yet; run every stage first (make demo-model)")
     pipe = AnimateDiffPipeline.from_pretrained(src, dtype=torch.float32)
     pipe.unet.to(torch.float16)
+    teacher = AnimateDiffPipeline.from_pretrained(ckpt_dir / "teacher" / "pipeline", dtype=torch.float32)
+    teacher.unet.to(torch.float16)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
+        teacher.save_pretrained(tmp / TEACHER, safe_serialization=True)
         stages = {}
         for stage in ("vae", "text", "teacher", "student"):
             done = ckpt_dir / stage / "done"
             stages[stage] = json.loads(done.read_text()) if done.exists() else None
         recipe = ckpt_dir / "recipe.json"
+        recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
+        guidance = (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance)
         meta = {
             "model": SHAPES,
             "shapes_version": SHAPES_VERSION,
@@ -60,15 +69,19 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             "default_frames": shapes.FRAMES,
             "max_frames": MAX_FRAMES,
             "guidance_distilled": True,
+            "world": "shapes",  # its prompts can be checked by qc.adherence
+            "teacher": TEACHER,  # the undistilled teacher, sampled by DDIM at the guidance baked into the student
+            "teacher_guidance": guidance,
             "tiers": {name: tier.steps for name, tier in TIERS.items()},
             "distillation": "LCM consistency distillation on a 50-step DDIM grid; one student for both tiers",
-            "training": {"recipe": json.loads(recipe.read_text()) if recipe.exists() else None, "stages": stages},
+            "training": {"recipe": recipe_d or None, "stages": stages},
         }
         (tmp / "clipmill.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
         size = folder_bytes(tmp)
         if size > max_bytes:
             raise ValueError(f"the exported model is {size / 2**20:.1f} MiB, over the limit of {max_bytes / 2**20:.1f} MiB")
-        AnimateDiffPipeline.from_pretrained(tmp, dtype=torch.float32)  # it loads as the renderer loads it
+        for folder in (tmp, tmp / TEACHER):  # both load as the renderer loads them
+            AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
         old = None
         if dest.exists():
             old = dest.with_name(f".{dest.name}-old-{os.getpid()}")
