@@ -1,4 +1,4 @@
-"""Helpers for tests that run real servers on loopback: free ports, waiting, stopping."""
+"""Helpers for tests: real servers on loopback (free ports, waiting, stopping), and the hooks left on a model."""
 
 from __future__ import annotations
 
@@ -51,4 +51,16 @@ def need_program(path_or_name: str, what: str) -> str:
         if IN_CI:
             pytest.fail(f"{msg}; CI must provide it", pytrace=False)
         pytest.skip(msg)
+    return found
+
+
+def hooks_on(model) -> list[str]:
+    """Every torch forward hook and diffusers hook left on ``model`` or its submodules."""
+    found = []
+    for name, m in model.named_modules():
+        for kind in ("_forward_pre_hooks", "_forward_hooks"):
+            found += [f"{name or 'model'}.{kind}"] * len(getattr(m, kind))
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and registry.hooks:
+            found += [f"{name or 'model'}: {h}" for h in registry.hooks]
     return found

@@ -33,6 +33,7 @@ from clipmill.jobs.core.states import JobState, move_job
 from clipmill.jobs.runner.embedded import run_batch
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
 from clipmill.qc import QCConfig
+from services import hooks_on
 
 REJECT_ALL = QCConfig(min_median_ssim=1.01)  # no clip's median SSIM reaches it: every render is rejected
 
@@ -346,16 +347,6 @@ def test_nightly_deadline_and_beat_use_one_time_zone(sqlite_url, tmp_path):
 
 # -- counting hooks --------------------------------------------------------------------------------
 
-def hooks_on(model) -> list[str]:
-    """Every torch forward hook and diffusers hook left on ``model`` or its submodules."""
-    found = []
-    for name, m in model.named_modules():
-        for kind in ("_forward_pre_hooks", "_forward_hooks"):
-            found += [f"{name or 'model'}.{kind}"] * len(getattr(m, kind))
-        registry = getattr(m, "_diffusers_hook", None)
-        if registry is not None and registry.hooks:
-            found += [f"{name or 'model'}: {h}" for h in registry.hooks]
-    return found
 
 
 @pytest.mark.slow

@@ -397,3 +397,36 @@ def test_bench_json_has_every_row_with_ratios_deviations_and_quality_columns(tmp
             assert r[k] is not None and r[k] >= 0
     assert {g["mode"] for g in res["guidance_modes"]} == {"cfg", "rcfg-self", "rcfg-onetime", "none"}
     assert [d["decoder"] for d in res["decoders"]] == ["vae", "tiny"]
+
+
+@pytest.mark.slow
+def test_bench_failures_renders_each_fault_and_qc_catches_the_nan_group(tiny_cache):
+    """Each fault is real (NaN latents come out flat, the wrong VAE scaling changes the frames)
+    and comes off the model: after the run the UNet and VAE have no hooks left."""
+    from clipmill.jobs.bench import failures as fb
+    from clipmill.pipeline.models import model_info
+    from clipmill.pipeline.render import GroupSettings, Renderer
+    from services import hooks_on
+
+    info = model_info("tiny")
+    res = fb.failures(info, clips=2, size=(64, 64), frames=8)
+    kinds = {k["kind"]: k for k in res["kinds"]}
+    assert list(kinds) == ["good", "steps-1", "steps-2", "guidance-12", "guidance-16", "feature-cache-6",
+                           "nan-mid-denoise", "wrong-vae-scaling"]
+    assert kinds["nan-mid-denoise"]["reject_rate"] == 1.0 and "flat" in kinds["nan-mid-denoise"]["reasons"]
+    assert kinds["nan-mid-denoise"]["detail"] == {"nan_from_step": 4}
+    assert kinds["wrong-vae-scaling"]["detail"]["decoded_at"] != 1.0
+    for k in kinds.values():
+        assert k["clips"] == 2 and set(k["adherence"]) == {"colour", "shape", "motion", "background", "camera"}
+        if k["kind"] not in ("good", "steps-1", "steps-2"):
+            assert k["psnr_vs_good_db"] is not None  # it rendered something else than the good clips
+    renderer = Renderer(info)
+    try:
+        req = fb.world_requests((64, 64), 8, 1)
+        with fb.fault(renderer, "nan", 6):
+            (bad,) = renderer.render(req, GroupSettings(tier="fast", sampler=info.scheduler))
+        (ok,) = renderer.render(req, GroupSettings(tier="fast", sampler=info.scheduler))
+        assert not bad.frames.any() and ok.frames.std() > 0  # the hook was on, then off
+        assert hooks_on(renderer.pipe.unet) == [] and hooks_on(renderer.pipe.vae) == []
+    finally:
+        renderer.close()

@@ -7,9 +7,8 @@ from dataclasses import replace
 
 import click
 
-from clipmill.jobs.cli.common import BadInput, default_device, domain_errors, err, out
+from clipmill.jobs.cli.common import BadInput, default_device, domain_errors, err, out, qc_config_options
 from clipmill.pipeline.models import TINY, ModelError
-from clipmill.pipeline.shapes import ATTRIBUTES
 
 
 @click.command("bench")
@@ -33,8 +32,14 @@ from clipmill.pipeline.shapes import ATTRIBUTES
                    "for a model of the shapes world.")
 @click.option("--quality-clips", type=click.IntRange(0, 2000), default=32, show_default=True,
               help="Clips per row for the quality columns (same prompts and seeds in every row; half held out).")
+@click.option("--failures", is_flag=True,
+              help="Instead of the ladder: render --quality-clips shapes-world prompts well and broken as real models "
+                   "break (1-2 steps, guidance 12/16, a feature cache far too coarse, NaN latents mid-denoise, "
+                   "the wrong VAE scaling) and report QC's catch rate on each.")
+@qc_config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
-def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, as_json):
+def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, failures,
+              qc_cfg, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -51,11 +56,13 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
     Example:
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
+      clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
       clipmill bench --arch sd15 --device cuda --size 512 --frames 16
     """
     from rich.table import Table
 
     from clipmill.jobs.bench.ladder import bench
+    from clipmill.pipeline.shapes import ATTRIBUTES
     from clipmill.jobs.core.prompts import parse_size
     from clipmill.pipeline.models import arch_path, model_info
 
@@ -75,6 +82,9 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
         n_frames = frames or info.default_frames
         if msg := info.check_frames(n_frames):
             raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
+        if failures:
+            _failures(info, size_t, n_frames, device, quality_clips or 40, qc_cfg, as_json)
+            return
         result = bench(info, size_t, n_frames, guidance, device, compile_how, clips, repeat,
                        progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")), prompts=prompts,
                        quality_clips=quality_clips)
@@ -115,3 +125,25 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
     for d in result["decoders"]:
         out.print(f"decoder {d['decoder']}: {d['decode_s_per_clip']:.3f} s/clip"
                   + ("" if d["psnr_vs_vae_db"] is None else f", {d['psnr_vs_vae_db']} dB vs the VAE"))
+
+
+def _failures(info, size, frames, device, clips, qc_cfg, as_json) -> None:
+    from rich.table import Table
+
+    from clipmill.jobs.bench.failures import failures
+
+    result = failures(info, clips, size, frames, device=device, qc=qc_cfg,
+                      progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    t = Table("kind", "what", "QC", "top reasons", "adherence c/s/m/b/k", "PSNR vs good",
+              title=f"QC on {result['clips']} renders per kind, {info.name}, {size[0]}x{size[1]}, {frames} frames -> "
+                    f"{result['fps_out']} fps")
+    for k in result["kinds"]:
+        qc = (f"passed {1 - k['reject_rate']:.0%}" if k["kind"] == "good" else f"caught {k['reject_rate']:.0%}")
+        reasons = ", ".join(f"{r} {n}" for r, n in list(k["reasons"].items())[:3])
+        t.add_row(k["kind"], k["what"], qc, reasons, "/".join(f"{v * 100:.0f}" for v in k["adherence"].values()),
+                  "" if k["psnr_vs_good_db"] is None else f"{k['psnr_vs_good_db']} dB")
+    out.print(t)
+
