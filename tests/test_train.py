@@ -211,6 +211,30 @@ def test_export_loads_as_the_builtin_model_and_renders_the_fast_tier(trained, tm
     assert res.frames.std() > 0  # a decoded clip, not a constant
 
 
+@pytest.mark.slow
+def test_the_student_can_be_distilled_again_from_a_shipped_teacher(trained, tmp_path):
+    """An exported folder's teacher/ seeds a new checkpoint folder: the first three stages are
+    done, only the student trains, and the export has both tiers' student and the same teacher."""
+    from clipmill.pipeline.train.export import export_model
+    from clipmill.pipeline.train.recipe import run_all, seed_from_teacher
+
+    root, _, _ = trained
+    first = export_model(root, tmp_path / "first")
+    again = tmp_path / "again"
+    lines: list[str] = []
+    seed_from_teacher(first / "teacher", again, TINY, lines.append)
+    assert all((again / s / "done").exists() for s in ("vae", "text", "teacher"))
+    assert json.loads((again / "teacher" / "done").read_text())["seeded_from"] == str(first / "teacher")
+    results = run_all(again, TINY, clean_caption, lines.append, ("student",))
+    assert list(results) == ["student"] and (again / "student" / "done").exists()
+    dest = export_model(again, tmp_path / "second")
+    assert models.model_info(str(dest)).scheduler == "lcm"
+    with pytest.raises(ValueError, match="already holds the vae, text, teacher stage"):
+        seed_from_teacher(first / "teacher", again, TINY, lines.append)
+    with pytest.raises(FileNotFoundError, match="model_index.json is missing"):
+        seed_from_teacher(tmp_path, tmp_path / "x", TINY, lines.append)
+
+
 def test_the_shapes_name_says_how_to_build_it_until_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "SHAPES_DIR", tmp_path / "absent")
     with pytest.raises(models.ModelError, match="the shapes model is not built yet: run make demo-model"):

@@ -41,7 +41,10 @@ def clean_caption(raw: str) -> str:
               help="Export the model folder here [default: the package's built-in 'shapes' folder for --recipe full, "
                    "CKPT/export for smoke].")
 @click.option("--no-export", is_flag=True, help="Train only; do not write the model folder.")
-def train_model(ckpt, seed, threads, recipe, stages, out, no_export):
+@click.option("--from-teacher", type=click.Path(file_okay=False), default=None,
+              help="Seed an empty --ckpt from a finished teacher folder (an exported model's teacher/, e.g. "
+                   "pipeline/weights/shapes/teacher) and train only the student.")
+def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teacher):
     """Train the built-in 'shapes' model: autoencoder, text encoder, teacher, then the LCM
     student distilled for the 6-step fast and 8-step quality tiers; export it into the package.
 
@@ -52,12 +55,13 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export):
     Example:
       clipmill train-model --threads 1
       clipmill train-model --recipe smoke --ckpt /tmp/smoke
+      clipmill train-model --ckpt /tmp/distil --from-teacher pipeline/weights/shapes/teacher --out /tmp/shapes
     """
     import torch
 
     from clipmill.pipeline.models import SHAPES_DIR, quiet_hf
     from clipmill.pipeline.train.export import export_model
-    from clipmill.pipeline.train.recipe import RECIPES, run_all
+    from clipmill.pipeline.train.recipe import RECIPES, run_all, seed_from_teacher
 
     names = tuple(s.strip() for s in stages.split(",") if s.strip())
     if bad := [s for s in names if s not in STAGES]:
@@ -73,6 +77,9 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export):
 
     log(f"training recipe {recipe!r}, seed {seed}, {threads} thread(s), checkpoints in {root}")
     try:
+        if from_teacher:
+            seed_from_teacher(Path(from_teacher).expanduser(), root, RECIPES[recipe].with_seed(seed), log)
+            names = ("student",)
         run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names)
         if not no_export and "student" in names:
             export_model(root, dest)

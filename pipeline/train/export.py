@@ -77,6 +77,12 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             "training": {"recipe": recipe_d or None, "stages": stages},
         }
         (tmp / "clipmill.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+        teacher_meta = {k: meta[k] for k in ("shapes_version", "native_fps", "default_size", "default_frames",
+                                             "max_frames", "world")}
+        teacher_meta.update(model=f"{SHAPES}/{TEACHER}", guidance_distilled=False, guidance=guidance,
+                            training={"recipe": recipe_d or None,
+                                      "stages": {k: stages[k] for k in ("vae", "text", "teacher")}})
+        (tmp / TEACHER / "clipmill.json").write_text(json.dumps(teacher_meta, indent=1, ensure_ascii=False))
         size = folder_bytes(tmp)
         if size > max_bytes:
             raise ValueError(f"the exported model is {size / 2**20:.1f} MiB, over the limit of {max_bytes / 2**20:.1f} MiB")

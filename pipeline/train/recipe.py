@@ -17,7 +17,8 @@ from typing import Callable
 from .data import Clean
 from . import nets
 from .distill import LCMConfig, train_student
-from .stages import DenoiserConfig, Log, StageConfig, StageResult, train_teacher, train_text, train_vae
+from .stages import (DenoiserConfig, Log, StageConfig, StageResult, _mark_done, export_pipeline, train_teacher, train_text,
+                     train_vae)
 
 STAGE_ORDER = ("vae", "text", "teacher", "student")
 
@@ -120,3 +121,52 @@ def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[st
         log(f"== stage {i}/{len(order)}: {name} ({root / name})")
         losses[name] = recipe.stage(name)(root, clean, log)
     return losses
+
+
+SEEDED = ("vae", "text", "teacher")
+
+
+def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> None:
+    """Start the checkpoint folder ``root`` from a finished teacher: an exported model's
+    ``teacher/`` folder (an AnimateDiff folder with its VAE, text encoder and v-prediction UNet).
+    Its parts become the results of the ``vae``, ``text`` and ``teacher`` stages, marked done, so
+    that only the student is left to train: distilling again (another recipe, a longer run)
+    without training the teacher again. Refuses a ``root`` that already holds any of those
+    stages, and a teacher whose UNet is not the recipe's size."""
+    import torch
+    from diffusers import AnimateDiffPipeline
+
+    folder = Path(folder)
+    if not (folder / "model_index.json").exists():
+        raise FileNotFoundError(f"--from-teacher {folder}: {folder / 'model_index.json'} is missing; pass the teacher "
+                                "folder of an exported shapes model (for example pipeline/weights/shapes/teacher)")
+    if held := [s for s in SEEDED if (root / s).exists()]:
+        raise ValueError(f"--from-teacher: {root} already holds the {', '.join(held)} stage(s); "
+                         "seed an empty checkpoint folder")
+    pipe = AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
+    want = nets.build_unet(recipe.denoiser.unet).config
+    keys = ("block_out_channels", "down_block_types", "up_block_types", "temporal_transformer_layers_per_block",
+            "num_attention_heads", "motion_num_attention_heads", "cross_attention_dim")
+    if diff := [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]:
+        raise ValueError(f"--from-teacher {folder}: its UNet has " + ", ".join(f"{k}={pipe.unet.config.get(k)}" for k in diff)
+                         + f"; the {recipe.name!r} recipe's has " + ", ".join(f"{k}={want.get(k)}" for k in diff))
+    if pipe.scheduler.config.prediction_type != "v_prediction":
+        raise ValueError(f"--from-teacher {folder}: prediction_type={pipe.scheduler.config.prediction_type!r}; "
+                         "the distillation reads v-predictions ('v_prediction')")
+    check_root(root, recipe)
+    meta = json.loads((folder / "clipmill.json").read_text()) if (folder / "clipmill.json").exists() else {}
+    before = (meta.get("training") or {}).get("stages") or {}
+    origin = {"seeded_from": str(folder)}
+    pipe.vae.save_pretrained(root / "vae" / "model")
+    _mark_done(root, "vae", {**(before.get("vae") or {}), **origin})
+    pipe.text_encoder.save_pretrained(root / "text" / "model")
+    pipe.tokenizer.save_pretrained(root / "text" / "model")
+    _mark_done(root, "text", {**(before.get("text") or {}), **origin})
+    export_pipeline(root / "teacher" / "pipeline", pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler)
+    _mark_done(root, "teacher", {**(before.get("teacher") or {}), **origin})
+    log(f"seeded {root} from the teacher in {folder}: the vae, text and teacher stages are done")
+
+
+def _norm(v):
+    return list(v) if isinstance(v, (list, tuple)) else v
+
