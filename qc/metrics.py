@@ -122,7 +122,17 @@ def _lk_residual(r: np.ndarray, ref: np.ndarray, window: int, reg: float = 4.0) 
     return r - gx * (syy * sxr - sxy * syr) / det - gy * (sxx * syr - sxy * sxr) / det
 
 
-def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator) -> np.ndarray:
+def colour_edges(rgb: np.ndarray) -> np.ndarray:
+    """Squared gradient of a (h, w, 3) uint8 frame, the largest over its three channels, on
+    the same scale as the luma gradient ``boiling_map`` allows for: the edges that luma does not
+    show (a saturated object on a background of about its brightness), where the luma flow
+    cannot follow the content and leaves a residual that is not boiling."""
+    g = cv2.GaussianBlur(rgb.astype(np.float32), (0, 0), 3.0)
+    gx, gy = cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3), cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3)
+    return ((gx * gx + gy * gy) / 64).max(axis=-1)
+
+
+def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator, edges: np.ndarray | None = None) -> np.ndarray:
     """Per pixel of ``a`` (float32 gray): band-pass energy of the motion-compensated residual
     against ``b`` above what grain and content edges explain, luma^2, averaged over a local window.
 
@@ -144,6 +154,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator) -> np.ndarray
     fine, band = r - g1, g1 - cv2.GaussianBlur(r, (0, 0), BOIL_COARSE)
     g = cv2.GaussianBlur(ref, (0, 0), 3.0)  # content edges, without the texture itself
     grad2 = (cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3) ** 2) / 64
+    if edges is not None:
+        grad2 = np.maximum(grad2, edges)
     box = (BOIL_WINDOW, BOIL_WINDOW)
     share = cv2.blur(valid, box)
     excess = (cv2.blur(band * band, box) - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
@@ -151,7 +163,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator) -> np.ndarray
     return np.where(share > 0.7, excess, 0.0)
 
 
-def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple) -> tuple[np.ndarray, np.ndarray]:
+def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
+                   rgb: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Boiling score of up to BOIL_SAMPLES frames: each frame against the frames ``step`` before
     and after it (the smaller of the two maps per pixel, so a region occluded on one side is seen
     on the other), then the value exceeded by the ``area`` share of the frame's inner part.
@@ -169,9 +182,10 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple) -> tu
         flow = FlowEstimator("fast")
         for j in part:
             i = idx[j]
-            m = boiling_map(gray[i], gray[i + step], flow)
+            edges = None if rgb is None else colour_edges(rgb[i])
+            m = boiling_map(gray[i], gray[i + step], flow, edges)
             if both:
-                m = np.minimum(m, boiling_map(gray[i], gray[i - step], flow))
+                m = np.minimum(m, boiling_map(gray[i], gray[i - step], flow, edges))
             scores[j] = np.quantile(m[inner], 1.0 - area)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -233,7 +247,7 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
         for f in [pool.submit(pairs, 0, half), pool.submit(pairs, half, m)]:
             f.result()
     sharpness = sharpness_trend(frames, flow_dx, flow_dy, zoom, scale)
-    boil, boil_frames = (boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner) if n > 1
+    boil, boil_frames = (boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner, small) if n > 1
                          else (np.zeros(0), np.zeros(0, int)))
     return Series(scale, luma, spread, clipped, saturation, sharpness, diff, flow_m, residual, ssim,
                   cells, hp_ratio, luma_drift, sat_drift, boil, boil_frames)
