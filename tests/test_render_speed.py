@@ -352,10 +352,9 @@ def test_submit_refuses_frame_counts_wan_cannot_take(tmp_path):
 
 # -- the ladder ----------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_bench_json_has_every_row_with_ratios_deviations_and_quality_columns(tmp_path, tiny_cache):
-    """A model folder of the shapes world that ships its teacher (here: the tiny model twice):
-    row 0 is the teacher, and every row carries the quality columns on shapes-world prompts."""
+def world_model_with_teacher(tmp_path):
+    """A model folder that says it draws the shapes world and ships a teacher: the tiny model
+    twice (its clips are noise; the structure is what is tested)."""
     import shutil
 
     from clipmill.pipeline.models import tiny_path
@@ -364,7 +363,34 @@ def test_bench_json_has_every_row_with_ratios_deviations_and_quality_columns(tmp
     shutil.copytree(tiny_path("tiny"), folder)
     shutil.copytree(tiny_path("tiny"), folder / "teacher")
     meta = json.loads((folder / "clipmill.json").read_text())
-    (folder / "clipmill.json").write_text(json.dumps(dict(meta, world="shapes", teacher="teacher", teacher_guidance=3.0)))
+    meta.update(world="shapes", teacher="teacher", teacher_guidance=3.0, default_size=[64, 64], default_frames=8)
+    (folder / "clipmill.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.mark.slow
+def test_bench_adherence_rows_teacher_steps_and_student_tiers(tmp_path, tiny_cache):
+    from clipmill.jobs.bench.adherence import adherence_table
+    from clipmill.pipeline.models import model_info
+
+    res = adherence_table(model_info(str(world_model_with_teacher(tmp_path))), clips=4, group=4)
+    rows = {r["row"]: r for r in res["rows"]}
+    assert list(rows) == ["teacher, DDIM 50 steps, CFG 3", "teacher, DDIM 8 steps, CFG 3", "teacher, DDIM 6 steps, CFG 3",
+                          "student, quality tier (8 steps)", "student, fast tier (6 steps)"]
+    assert [r["steps"] for r in rows.values()] == [50, 8, 6, 8, 6] and res["heldout_clips"] == 2
+    for r in rows.values():
+        for key in ("adherence", "adherence_heldout", "adherence_train"):
+            assert set(r[key]) == {"colour", "shape", "motion", "background", "camera"}
+        assert ("qc_passed" in r) == (r["model"] == "student")
+    with pytest.raises(ValueError, match="not a shapes-world model"):
+        adherence_table(model_info("tiny"), clips=2)
+
+
+@pytest.mark.slow
+def test_bench_json_has_every_row_with_ratios_deviations_and_quality_columns(tmp_path, tiny_cache):
+    """A model folder of the shapes world that ships its teacher (here: the tiny model twice):
+    row 0 is the teacher, and every row carries the quality columns on shapes-world prompts."""
+    folder = world_model_with_teacher(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "bench", "--model", str(folder), "--size", "64",
                            "--frames", "8", "--repeat", "1", "--quality-clips", "6", "--json"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=600)

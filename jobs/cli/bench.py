@@ -36,10 +36,13 @@ from clipmill.pipeline.models import TINY, ModelError
               help="Instead of the ladder: render --quality-clips shapes-world prompts well and broken as real models "
                    "break (1-2 steps, guidance 12/16, a feature cache far too coarse, NaN latents mid-denoise, "
                    "the wrong VAE scaling) and report QC's catch rate on each.")
+@click.option("--adherence", is_flag=True,
+              help="Instead of the ladder (a shapes-world model only): adherence per attribute of its teacher at 50, "
+                   "8 and 6 DDIM steps and its student at both tiers on --quality-clips prompts, and QC's pass rate.")
 @qc_config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, failures,
-              qc_cfg, as_json):
+              adherence, qc_cfg, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -57,6 +60,7 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
+      clipmill bench --model shapes --adherence --quality-clips 200
       clipmill bench --arch sd15 --device cuda --size 512 --frames 16
     """
     from rich.table import Table
@@ -82,6 +86,9 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
         n_frames = frames or info.default_frames
         if msg := info.check_frames(n_frames):
             raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
+        if adherence:
+            _adherence(info, device, quality_clips or 200, qc_cfg, as_json)
+            return
         if failures:
             _failures(info, size_t, n_frames, device, quality_clips or 40, qc_cfg, as_json)
             return
@@ -145,5 +152,26 @@ def _failures(info, size, frames, device, clips, qc_cfg, as_json) -> None:
         reasons = ", ".join(f"{r} {n}" for r, n in list(k["reasons"].items())[:3])
         t.add_row(k["kind"], k["what"], qc, reasons, "/".join(f"{v * 100:.0f}" for v in k["adherence"].values()),
                   "" if k["psnr_vs_good_db"] is None else f"{k['psnr_vs_good_db']} dB")
+    out.print(t)
+
+
+def _adherence(info, device, clips, qc_cfg, as_json) -> None:
+    from rich.table import Table
+
+    from clipmill.jobs.bench.adherence import adherence_table
+    from clipmill.pipeline.shapes import ATTRIBUTES
+
+    result = adherence_table(info, clips, device=device, qc=qc_cfg,
+                             progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")))
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    t = Table("row", *ATTRIBUTES, "held-out c/s/m/b/k", "train c/s/m/b/k", "QC passed", "s/clip",
+              title=f"adherence on {result['clips']} shapes prompts ({result['heldout_clips']} held out), {info.name}")
+    for r in result["rows"]:
+        t.add_row(r["row"], *(f"{r['adherence'][k]:.1%}" for k in ATTRIBUTES),
+                  "/".join(f"{r['adherence_heldout'][k] * 100:.0f}" for k in ATTRIBUTES),
+                  "/".join(f"{r['adherence_train'][k] * 100:.0f}" for k in ATTRIBUTES),
+                  "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['render_s_per_clip']:.3f}")
     out.print(t)
 

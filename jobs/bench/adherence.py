@@ -1,0 +1,103 @@
+"""``clipmill bench --adherence``: what distillation buys, measured by the shapes world's analyzer.
+
+The same shapes-world prompts and seeds (half from the held-out (colour, motion, camera)
+combinations, half in Chinese; ``ladder.world_requests``) are rendered by:
+
+- the undistilled teacher at 50 DDIM steps with its guidance (the reference);
+- the same teacher at 8 and at 6 DDIM steps, no distillation;
+- the distilled student at the ``quality`` (8) and ``fast`` (6) tiers, as a batch renders them.
+
+Per row: adherence per attribute over all clips, over the held-out combinations and over the
+training split, and, for the student rows, the share of clips that QC (the post stage's own
+code: interpolation, H.264, QC) passes. Everything goes through the production renderer.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from clipmill.jobs.bench.ladder import world_requests
+from clipmill.jobs.runner.stages import convert_and_check
+from clipmill.pipeline import shapes
+from clipmill.pipeline.models import ModelInfo, model_info
+from clipmill.pipeline.render import GroupSettings, Renderer
+from clipmill.qc import QCConfig
+from clipmill.qc import adherence as adh
+
+
+def _rows(info: ModelInfo, teacher: ModelInfo | None) -> list[tuple[str, bool, GroupSettings]]:
+    rows = []
+    if teacher is not None:
+        g = info.teacher_guidance
+        for steps in (50, 8, 6):
+            rows.append((f"teacher, DDIM {steps} steps, CFG {g:g}", True,
+                         GroupSettings(tier="quality", sampler="ddim", guidance=g, step_count=steps)))
+    rows.append(("student, quality tier (8 steps)", False, GroupSettings(tier="quality", sampler=info.scheduler)))
+    rows.append(("student, fast tier (6 steps)", False, GroupSettings(tier="fast", sampler=info.scheduler)))
+    return rows
+
+
+def qc_pass_rate(results, fps_out: int, qc: QCConfig) -> tuple[float, dict[str, int]]:
+    """The share of clips the post stage's QC passes, and its reasons' counts."""
+    passed, reasons = 0, {}
+    for r in results:
+        fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-adherence-")
+        os.close(fd)
+        try:
+            _, verdict, _, _ = convert_and_check(r.frames, r.fps, fps_out, tmp, qc)
+        finally:
+            os.unlink(tmp)
+        passed += verdict.verdict == "pass"
+        for reason in verdict.reasons:
+            key = reason.split(":")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+    return passed / len(results), reasons
+
+
+def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", group: int = 8, fps_out: int = 30,
+                    qc: QCConfig = QCConfig(), seed: int = 3, progress=None) -> dict:
+    """Render ``clips`` shapes prompts with every row of :func:`_rows`; see the module doc."""
+    if info.world != "shapes":
+        raise ValueError(f"bench --adherence: model {info.name!r} is not a shapes-world model (its clipmill.json "
+                         "has no \"world\": \"shapes\")")
+    size, frames = info.default_size, info.default_frames
+    reqs = world_requests(size, frames, clips, seed=seed)
+    specs = [shapes.parse(r.prompt) for r in reqs]
+    teacher = model_info(str(info.teacher)) if info.teacher is not None else None
+    renderers = {False: Renderer(info, device=device)}
+    t0 = time.perf_counter()
+    out = []
+    try:
+        if teacher is not None:
+            renderers[True] = Renderer(teacher, device=device)
+        for name, is_teacher, settings in _rows(info, teacher):
+            if progress:
+                progress(f"{name}: {clips} clips")
+            t1 = time.perf_counter()
+            results = [x for i in range(0, clips, group)
+                       for x in renderers[is_teacher].render(reqs[i:i + group], settings)]
+            seconds = (time.perf_counter() - t1) / clips
+            a = [adh.analyze(r.frames) for r in results]
+            row = {
+                "row": name, "model": "teacher" if is_teacher else "student", "steps": settings.steps,
+                "guidance": settings.guidance, "render_s_per_clip": round(seconds, 4),
+                "adherence": _round(adh.adherence(a, specs)),
+                "adherence_heldout": _round(adh.adherence(a[0::2], specs[0::2])),
+                "adherence_train": _round(adh.adherence(a[1::2], specs[1::2])),
+            }
+            if not is_teacher:
+                rate, reasons = qc_pass_rate(results, fps_out, qc)
+                row["qc_passed"], row["qc_reasons"] = round(rate, 4), reasons
+            out.append(row)
+    finally:
+        for r in renderers.values():
+            r.close()
+    return {"model": info.name, "teacher": str(info.teacher) if teacher else None, "clips": clips,
+            "heldout_clips": (clips + 1) // 2, "size": list(size), "frames": frames, "fps_out": fps_out,
+            "rows": out, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _round(d: dict) -> dict:
+    return {k: round(v, 4) for k, v in d.items()}
