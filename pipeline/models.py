@@ -407,6 +407,8 @@ def _teacher_and_world(path: Path, extra: dict) -> dict:
     out: dict = {"world": extra.get("world"), "teacher_guidance": float(extra.get("teacher_guidance", 7.5))}
     if extra.get("teacher"):
         teacher = path / extra["teacher"]
+        if not teacher.resolve().is_relative_to(path.resolve()):
+            raise ModelError(f"{path / 'clipmill.json'}: teacher {extra['teacher']!r} is outside the model folder")
         if not (teacher / "model_index.json").exists():
             raise ModelError(f"{path / 'clipmill.json'}: teacher {extra['teacher']!r}: {teacher / 'model_index.json'} "
                              "is missing; it must be a diffusers pipeline folder inside the model folder")

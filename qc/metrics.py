@@ -182,10 +182,13 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
         flow = FlowEstimator("fast")
         for j in part:
             i = idx[j]
-            edges = None if rgb is None else colour_edges(rgb[i])
-            m = boiling_map(gray[i], gray[i + step], flow, edges)
+            # colour edges of both frames of a pair: an object the luma flow misses leaves its
+            # residual where it is in either
+            edges = None if rgb is None else {k: colour_edges(rgb[k]) for k in (i, i + step, i - step) if 0 <= k < n}
+            pair = (lambda k: None) if edges is None else (lambda k: np.maximum(edges[i], edges[k]))
+            m = boiling_map(gray[i], gray[i + step], flow, pair(i + step))
             if both:
-                m = np.minimum(m, boiling_map(gray[i], gray[i - step], flow, edges))
+                m = np.minimum(m, boiling_map(gray[i], gray[i - step], flow, pair(i - step)))
             scores[j] = np.quantile(m[inner], 1.0 - area)
 
     with ThreadPoolExecutor(max_workers=2) as pool:

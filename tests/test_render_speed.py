@@ -435,22 +435,24 @@ def test_bench_failures_renders_each_fault_and_qc_catches_the_nan_group(tiny_cac
     from services import hooks_on
 
     info = model_info("tiny")
-    res = fb.failures(info, clips=2, size=(64, 64), frames=8)
+    res = fb.failures(info, clips=4, size=(64, 64), frames=8, group=2)
     kinds = {k["kind"]: k for k in res["kinds"]}
     assert list(kinds) == ["good", "steps-1", "steps-2", "guidance-12", "guidance-16", "feature-cache-6",
                            "nan-mid-denoise", "wrong-vae-scaling"]
     assert kinds["nan-mid-denoise"]["reject_rate"] == 1.0 and "flat" in kinds["nan-mid-denoise"]["reasons"]
-    assert kinds["nan-mid-denoise"]["detail"] == {"nan_from_step": 4}
+    assert kinds["nan-mid-denoise"]["detail"] == {"nan_from_step": 4, "denoiser_calls": 6}  # the last group's own
     assert kinds["wrong-vae-scaling"]["detail"]["decoded_at"] != 1.0
     for k in kinds.values():
-        assert k["clips"] == 2 and set(k["adherence"]) == {"colour", "shape", "motion", "background", "camera"}
+        assert k["clips"] == 4 and set(k["adherence"]) == {"colour", "shape", "motion", "background", "camera"}
         if k["kind"] not in ("good", "steps-1", "steps-2"):
             assert k["psnr_vs_good_db"] is not None  # it rendered something else than the good clips
     renderer = Renderer(info)
     try:
         req = fb.world_requests((64, 64), 8, 1)
-        with fb.fault(renderer, "nan", 6):
-            (bad,) = renderer.render(req, GroupSettings(tier="fast", sampler=info.scheduler))
+        for _ in range(2):  # a fresh fault per group: each counts its own 6 steps
+            with fb.fault(renderer, "nan", 6) as detail:
+                (bad,) = renderer.render(req, GroupSettings(tier="fast", sampler=info.scheduler))
+            assert detail["denoiser_calls"] == 6
         (ok,) = renderer.render(req, GroupSettings(tier="fast", sampler=info.scheduler))
         assert not bad.frames.any() and ok.frames.std() > 0  # the hook was on, then off
         assert hooks_on(renderer.pipe.unet) == [] and hooks_on(renderer.pipe.vae) == []

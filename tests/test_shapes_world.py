@@ -122,3 +122,19 @@ def test_parse_reads_every_caption_raw_and_cleaned_and_nothing_else():
     for other in ("a bowl of ramen on a table, dolly in", "a red circle moves left on a black background",
                   "a purple circle moves left on a black background, pan right", "红色圆形向左移动，黑色背景"):
         assert shapes.parse(other) is None
+
+
+def test_frechet_and_read_distances_on_known_sets():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4000, 3))
+    assert adherence.frechet_distance(x, x) == pytest.approx(0.0, abs=1e-9)
+    shift = np.array([1.0, 2.0, 0.0])
+    assert adherence.frechet_distance(x, x + shift) == pytest.approx(5.0, abs=1e-6)  # |mu_x - mu_y|^2
+    assert adherence.frechet_distance(x, 2 * x) == pytest.approx(3.0, rel=0.05)  # Tr(S + 4S - 2*2S) = 3
+    with pytest.raises(ValueError, match="at least 2"):
+        adherence.frechet_distance(x[:1], x)
+    a = [adherence.analyze(shapes.render(s, 1).frames) for s in shapes.split_specs("train")[:6]]
+    assert set(adherence.read_distance(a, a).values()) == {0.0}
+    assert adherence.read_distance(a, a[:3] + a[:3])["shape"] >= 0  # defined, within [0, 1]
+    same_words = adherence.read_distance(a, list(reversed(a)))  # a reordering draws the same words
+    assert set(same_words.values()) == {0.0}

@@ -229,8 +229,10 @@ def test_the_student_can_be_distilled_again_from_a_shipped_teacher(trained, tmp_
     assert list(results) == ["student"] and (again / "student" / "done").exists()
     dest = export_model(again, tmp_path / "second")
     assert models.model_info(str(dest)).scheduler == "lcm"
+    seed_from_teacher(first / "teacher", again, TINY, lines.append)  # the same command again: a resume
+    assert lines[-1].endswith(f"was seeded from {first / 'teacher'} already: resuming")
     with pytest.raises(ValueError, match="already holds the vae, text, teacher stage"):
-        seed_from_teacher(first / "teacher", again, TINY, lines.append)
+        seed_from_teacher(dest / "teacher", again, TINY, lines.append)  # another teacher
     with pytest.raises(FileNotFoundError, match="model_index.json is missing"):
         seed_from_teacher(tmp_path, tmp_path / "x", TINY, lines.append)
 
@@ -258,3 +260,25 @@ def test_train_model_rejects_an_unknown_stage(tmp_path):
 
     r = CliRunner().invoke(main, ["train-model", "--ckpt", str(tmp_path), "--stages", "vae,unet"])
     assert r.exit_code == 2 and "'unet' is not a stage" in r.output
+
+
+def test_shape_weight_and_latent_mask_put_the_weight_where_the_shape_is():
+    from clipmill.pipeline.train.data import latent_mask
+    from clipmill.pipeline.train.stages import shape_weight
+
+    clip = shapes.render(shapes.Spec("red", "square", "moves right", "grey", "static shot"), 3)
+    alpha = torch.from_numpy(clip.alpha[None])  # (1, T, 64, 64)
+    mask = latent_mask(alpha, 16).float()
+    assert mask.shape == (1, shapes.FRAMES, 16, 16) and mask.max() == 1.0
+    for t in (0, shapes.FRAMES - 1):  # the mask's cells are where the shape is, in every frame
+        ys, xs = np.nonzero(clip.alpha[t] > 0.5)
+        assert mask[0, t, ys // 4, xs // 4].min() >= 0.5
+        assert mask[0, t].sum() < 0.25 * 256
+    cx = [float((mask[0, t].sum(0) * torch.arange(16)).sum() / mask[0, t].sum()) for t in range(shapes.FRAMES)]
+    assert cx[-1] > cx[0] + 1.5  # it moves right with the shape
+    w = shape_weight(mask, 8.0)
+    assert w.shape == (1, 1, shapes.FRAMES, 16, 16)
+    assert float(w.mean()) == pytest.approx(1.0, abs=1e-5)
+    assert float(w.max() / w.min()) == pytest.approx(9.0, rel=1e-4)  # 1 + gain against 1
+    flat = shape_weight(torch.zeros(2, shapes.FRAMES, 16, 16), 8.0)
+    assert torch.equal(flat, torch.ones_like(flat))  # no shape: the plain loss

@@ -18,6 +18,7 @@ import os
 import tempfile
 import time
 
+from clipmill.jobs.bench.failures import reason_kind
 from clipmill.jobs.bench.ladder import world_requests
 from clipmill.jobs.runner.stages import convert_and_check
 from clipmill.pipeline import shapes
@@ -51,8 +52,7 @@ def qc_pass_rate(results, fps_out: int, qc: QCConfig) -> tuple[float, dict[str, 
             os.unlink(tmp)
         passed += verdict.verdict == "pass"
         for reason in verdict.reasons:
-            key = reason.split(":")[0]
-            reasons[key] = reasons.get(key, 0) + 1
+            reasons[reason_kind(reason)] = reasons.get(reason_kind(reason), 0) + 1
     return passed / len(results), reasons
 
 

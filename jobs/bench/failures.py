@@ -8,7 +8,7 @@ it) and broken in the ways a real video diffusion model breaks:
   takes (blow-out);
 - ``feature-cache-6``: DeepCache with a full step only every 6 steps (one full step in 6);
 - ``nan-mid-denoise``: the denoiser's output turns NaN from the middle step on, as an fp16
-  overflow does, for the whole group;
+  overflow does, for the whole group (each group from its own middle step);
 - ``wrong-vae-scaling``: latents decoded with Stable Diffusion's scaling factor 0.18215 instead
   of the model's own (or, where the two are close, not unscaled at all).
 
@@ -106,6 +106,13 @@ def fault(renderer: Renderer, name: str | None, steps: int):
     finally:
         for h in handles:
             h.remove()
+        if name == "nan":
+            info["denoiser_calls"] = calls["n"]
+
+
+def reason_kind(reason: str) -> str:
+    """The first word of a QC reason ("boiling", "flat", "flicker", ...): what the tables count."""
+    return reason.split(":")[0].split(" ")[0]
 
 
 def post(result: ClipResult, fps_out: int, qc: QCConfig):
@@ -136,16 +143,16 @@ def failures(info: ModelInfo, clips: int = 40, size: tuple[int, int] | None = No
             if progress:
                 progress(f"{kind.name}: {kind.what}, {clips} clips")
             renderer.configure(kind.options)
-            with fault(renderer, kind.fault, kind.settings.steps) as detail:
-                results = [x for i in range(0, len(reqs), group)
-                           for x in renderer.render(reqs[i:i + group], kind.settings)]
+            results, detail = [], {}
+            for i in range(0, len(reqs), group):  # each group gets the fault afresh (NaN from its own middle step)
+                with fault(renderer, kind.fault, kind.settings.steps) as detail:
+                    results += renderer.render(reqs[i:i + group], kind.settings)
             checked = [post(r, fps_out, qc) for r in results]
             rejected = [v.verdict != "pass" for _, v in checked]
             reasons: dict[str, int] = {}
             for _, v in checked:
                 for r in v.reasons:
-                    key = r.split(":")[0].split(" ")[0]
-                    reasons[key] = reasons.get(key, 0) + 1
+                    reasons[reason_kind(r)] = reasons.get(reason_kind(r), 0) + 1
             a = [adh.analyze(d) for d, _ in checked]
             row = {
                 "kind": kind.name, "what": kind.what, "steps": kind.settings.steps, "guidance": kind.settings.guidance,

@@ -266,11 +266,14 @@ def _adherence(rows: list[dict]) -> None:
         return
     out.print(f"adherence ({len(scored)} clip(s) with prompts in the shapes grammar; what the analyzer reads in each):",
               markup=False, highlight=False)
-    for r in scored:
+    for r in scored[:20]:
         a = r["adherence"]
         words = [f"{k} {'ok' if a['match'][k] else 'NO (read ' + str(a['read'][k]) + ')'}" for k in ATTRIBUTES]
         out.print(f"  job {r['job']} (line {r['line']}) {r['state']}: " + ", ".join(words), soft_wrap=True,
                   markup=False, highlight=False)
+    if len(scored) > 20:
+        out.print(f"  ... and {len(scored) - 20} more (clipmill status BATCH --json lists every one)", markup=False,
+                  highlight=False)
     share = {k: sum(r["adherence"]["match"][k] for r in scored) / len(scored) for k in ATTRIBUTES}
     out.print("  all: " + ", ".join(f"{k} {v:.0%}" for k, v in share.items()), markup=False, highlight=False)
 

@@ -30,15 +30,17 @@ from clipmill.pipeline.models import TINY, ModelError
               help="shapes: prompts of the shapes world, with the quality columns (adherence per attribute, "
                    "distances to row 0, PSNR against the twin); ads: the ad prompts, speed only; auto: shapes "
                    "for a model of the shapes world.")
-@click.option("--quality-clips", type=click.IntRange(0, 2000), default=32, show_default=True,
-              help="Clips per row for the quality columns (same prompts and seeds in every row; half held out).")
+@click.option("--quality-clips", type=click.IntRange(0, 2000), default=None,
+              help="Clips per row for the quality columns (same prompts and seeds in every row; half held out; "
+                   "0 turns them off) [default: 32; --failures 40; --adherence 200].")
 @click.option("--failures", is_flag=True,
               help="Instead of the ladder: render --quality-clips shapes-world prompts well and broken as real models "
                    "break (1-2 steps, guidance 12/16, a feature cache far too coarse, NaN latents mid-denoise, "
                    "the wrong VAE scaling) and report QC's catch rate on each.")
 @click.option("--adherence", is_flag=True,
-              help="Instead of the ladder (a shapes-world model only): adherence per attribute of its teacher at 50, "
-                   "8 and 6 DDIM steps and its student at both tiers on --quality-clips prompts, and QC's pass rate.")
+              help="Instead of the ladder (a shapes-world model only, at its own size and frames): adherence per "
+                   "attribute of its teacher at 50, 8 and 6 DDIM steps and its student at both tiers on "
+                   "--quality-clips prompts, and QC's pass rate.")
 @qc_config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, failures,
@@ -86,12 +88,20 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
         n_frames = frames or info.default_frames
         if msg := info.check_frames(n_frames):
             raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
+        if adherence and failures:
+            raise click.UsageError("give --adherence or --failures, not both")
+        if quality_clips == 1 or (quality_clips == 0 and (adherence or failures)):
+            raise click.BadParameter(f"{quality_clips}: the distances need at least 2 clips per row"
+                                     + ("" if quality_clips else "; 0 turns the ladder's quality columns off"),
+                                     param_hint="--quality-clips")
         if adherence:
             _adherence(info, device, quality_clips or 200, qc_cfg, as_json)
             return
         if failures:
             _failures(info, size_t, n_frames, device, quality_clips or 40, qc_cfg, as_json)
             return
+        if quality_clips is None:
+            quality_clips = 32
         result = bench(info, size_t, n_frames, guidance, device, compile_how, clips, repeat,
                        progress=None if as_json else (lambda m: err.print(f"[dim]{m}[/]")), prompts=prompts,
                        quality_clips=quality_clips)

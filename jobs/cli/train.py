@@ -78,6 +78,9 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
     log(f"training recipe {recipe!r}, seed {seed}, {threads} thread(s), checkpoints in {root}")
     try:
         if from_teacher:
+            if names not in (STAGES, ("student",)):
+                raise click.BadParameter(f"{stages!r}: with --from-teacher only the student is trained",
+                                         param_hint="--stages")
             seed_from_teacher(Path(from_teacher).expanduser(), root, RECIPES[recipe].with_seed(seed), log)
             names = ("student",)
         run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names)

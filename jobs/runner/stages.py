@@ -196,9 +196,16 @@ def render_group(
 
 def clip_adherence(prompt: str, frames: np.ndarray) -> dict | None:
     """What the shapes world's analyzer reads in a delivered clip against what its prompt asks,
-    for prompts in the shapes grammar (English or Chinese); None for any other prompt."""
+    for prompts in the shapes grammar (English or Chinese); None for any other prompt, and (with
+    a warning) when the analyzer fails: it informs, it never fails a clip QC passed."""
     spec = shapes.parse(prompt)
-    return None if spec is None else adherence_report(frames, spec)
+    if spec is None:
+        return None
+    try:
+        return adherence_report(frames, spec)
+    except Exception as e:  # noqa: BLE001 - a report, not a verdict
+        log.warning("adherence: the analyzer failed on a clip of %r: %s", prompt, e)
+        return None
 
 
 def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict, files: dict, timings: dict,
@@ -320,11 +327,12 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
             os.unlink(tmp)
         storage.put_bytes(files["poster"], poster_jpeg(decoded))
         storage.put_bytes(files["sheet"], contact_sheet(decoded, series, result))
-        timings = dict(a.timings, **steps, store_s=time.perf_counter() - t3)
+        t4 = time.perf_counter()
+        adherence = clip_adherence(job.prompt, decoded)
+        timings = dict(a.timings, **steps, store_s=t4 - t3, adherence_s=time.perf_counter() - t4)
         timings["post_s"] = time.perf_counter() - t0
         timings = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in timings.items()}
         qc = result.to_dict()
-        adherence = clip_adherence(job.prompt, decoded)
         storage.put_bytes(
             files["sidecar"],
             json.dumps(sidecar(job, a, fps_in, len(decoded), qc, files, timings, adherence), ensure_ascii=False,

@@ -2,8 +2,9 @@
 
 ``ShapesData`` renders clips on the fly (the VAE stage trains on pixels). The denoisers train on
 latents instead, drawn from a :class:`LatentPool`: a fixed set of training clips encoded once by
-the frozen VAE and kept on disk as float16 (16 KiB a clip). Encoding a batch of 8 clips costs
-about 0.5 s on one core, as much as a third of a teacher step; read from the pool it is free.
+the frozen VAE and kept on disk as float16 (16 KiB a clip, and 4 KiB of shape mask). Encoding a
+batch of 8 clips costs about 0.5 s on one core, as much as a third of a teacher step; read from
+the pool it is free.
 Captions are drawn per use (either language), so the pool holds specs, not captions. It also
 holds each clip's shape mask at latent resolution (:func:`latent_mask`): the denoisers weight
 their loss up on the shape, a few percent of the frame that carries its colour, shape and motion.

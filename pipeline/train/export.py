@@ -3,8 +3,8 @@
 ``export_model(ckpt_dir, dest)`` takes the distilled student (``ckpt_dir/student/pipeline``, an
 AnimateDiff folder with an LCMScheduler), stores its UNet in float16 (the largest part; the VAE
 and text encoder stay float32), adds the undistilled teacher it was distilled from as a complete
-folder of its own under ``teacher/`` (its UNet float16 too: ``clipmill bench``'s row 0, and
-``--model <folder>/teacher`` renders with it), adds ``clipmill.json`` (the model's defaults, the
+folder of its own under ``teacher/`` (its UNet float16 too: ``clipmill bench``'s row 0, and what
+``clipmill train-model --from-teacher`` distils again from), adds ``clipmill.json`` (the model's defaults, the
 world it draws, and what each training stage reported) and replaces ``dest`` atomically. The renderer loads it in float32
 through ``from_pretrained`` like any user's folder (``pipeline.models``).
 """

@@ -131,8 +131,10 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     ``teacher/`` folder (an AnimateDiff folder with its VAE, text encoder and v-prediction UNet).
     Its parts become the results of the ``vae``, ``text`` and ``teacher`` stages, marked done, so
     that only the student is left to train: distilling again (another recipe, a longer run)
-    without training the teacher again. Refuses a ``root`` that already holds any of those
-    stages, and a teacher whose UNet is not the recipe's size."""
+    without training the teacher again. Run again on the same ``root`` and ``folder`` (a resume),
+    it does nothing. Refuses a ``root`` that holds any of those stages otherwise (a half-done
+    seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
+    recipe's size."""
     import torch
     from diffusers import AnimateDiffPipeline
 
@@ -140,9 +142,14 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if not (folder / "model_index.json").exists():
         raise FileNotFoundError(f"--from-teacher {folder}: {folder / 'model_index.json'} is missing; pass the teacher "
                                 "folder of an exported shapes model (for example pipeline/weights/shapes/teacher)")
+    seeded = [json.loads((root / s / "done").read_text()).get("seeded_from") if (root / s / "done").exists() else None
+              for s in SEEDED]
+    if seeded == [str(folder)] * len(SEEDED):
+        log(f"{root} was seeded from {folder} already: resuming")
+        return
     if held := [s for s in SEEDED if (root / s).exists()]:
-        raise ValueError(f"--from-teacher: {root} already holds the {', '.join(held)} stage(s); "
-                         "seed an empty checkpoint folder")
+        raise ValueError(f"--from-teacher: {root} already holds the {', '.join(held)} stage(s) (not all seeded from "
+                         f"{folder}); seed an empty checkpoint folder")
     pipe = AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
     want = nets.build_unet(recipe.denoiser.unet).config
     keys = ("block_out_channels", "down_block_types", "up_block_types", "temporal_transformer_layers_per_block",

@@ -479,10 +479,11 @@ class DenoiserConfig:
     - ``timesteps``: ``uniform`` over the 1000-step schedule, or ``logit_normal`` (t / 1000 =
       sigmoid(N(0, 1)): the middle of the schedule, where the layout is decided, more often).
     - ``warmup``: steps of linear learning-rate warm-up.
-    - ``shape_gain``: the loss weight of a latent cell the shape covers is ``1 + shape_gain``
-      (others 1; :func:`shape_weight`). The first teacher, unweighted, drew colour, background
-      and camera right by step 2,000 but the shape's motion at chance: the shape is 3-9% of the
-      frame, so its trajectory was a few percent of the loss.
+    - ``shape_gain``: a latent cell the shape touches weighs ``1 + shape_gain`` times a cell it
+      does not (:func:`shape_weight`, normalised to mean 1 per clip). The first teacher,
+      unweighted, drew colour, background and camera right by step 2,000 but the shape's motion
+      at chance: the shape is 3-9% of the pixels (about twice that of the latent cells, which
+      count when its edge touches them), so its trajectory was a small part of the loss.
     """
 
     unet: nets.UNetSpec = nets.TEACHER
