@@ -237,6 +237,37 @@ def test_the_student_can_be_distilled_again_from_a_shipped_teacher(trained, tmp_
         seed_from_teacher(tmp_path, tmp_path / "x", TINY, lines.append)
 
 
+@pytest.mark.slow
+def test_an_unfinished_teacher_exported_and_seeded_resumes_at_its_step(trained, tmp_path):
+    """A teacher killed mid-stage is exported from its last checkpoint (EMA weights, marked
+    unfinished); seeding a new folder from it resumes the teacher stage at that step."""
+    import shutil
+
+    from clipmill.pipeline.train.export import export_teacher
+    from clipmill.pipeline.train.recipe import seed_from_teacher
+
+    root, _, _ = trained
+    half = tmp_path / "half"
+    for part in ("vae", "text"):
+        shutil.copytree(root / part, half / part)
+    (half / "teacher").mkdir()
+    shutil.copy(root / "teacher" / "state.pt", half / "teacher" / "state.pt")  # no done marker: unfinished
+    shutil.copy(root / "recipe.json", half / "recipe.json")
+    folder = export_teacher(half, tmp_path / "shipped" / "teacher")
+    meta = json.loads((folder / "clipmill.json").read_text())
+    assert meta["training"]["stages"]["teacher"]["finished"] is False
+    assert meta["training"]["stages"]["teacher"]["step"] == TINY.teacher.steps
+    longer = replace(TINY, teacher=replace(TINY.teacher, steps=TINY.teacher.steps + 2))
+    again, lines = tmp_path / "again", []
+    seed_from_teacher(folder, again, longer, lines.append)
+    assert not (again / "teacher" / "done").exists() and (again / "teacher" / "state.pt").exists()
+    run_all(again, longer, clean_caption, lines.append, ("teacher",))
+    assert f"[teacher] resumed at step {TINY.teacher.steps}" in lines
+    assert json.loads((again / "teacher" / "done").read_text())["step"] == TINY.teacher.steps + 2
+    finished = export_teacher(again, tmp_path / "shipped2" / "teacher")
+    assert json.loads((finished / "clipmill.json").read_text())["training"]["stages"]["teacher"]["finished"] is True
+
+
 def test_the_shapes_name_says_how_to_build_it_until_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "SHAPES_DIR", tmp_path / "absent")
     with pytest.raises(models.ModelError, match="the shapes model is not built yet: run make demo-model"):

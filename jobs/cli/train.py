@@ -44,7 +44,10 @@ def clean_caption(raw: str) -> str:
 @click.option("--from-teacher", type=click.Path(file_okay=False), default=None,
               help="Seed an empty --ckpt from a finished teacher folder (an exported model's teacher/, e.g. "
                    "pipeline/weights/shapes/teacher) and train only the student.")
-def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teacher):
+@click.option("--export-teacher", is_flag=True,
+              help="Only write OUT/teacher from --ckpt's teacher (finished, or its last checkpoint's EMA, marked "
+                   "unfinished so that --from-teacher resumes it) and exit.")
+def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teacher, export_teacher):
     """Train the built-in 'shapes' model: autoencoder, text encoder, teacher, then the LCM
     student distilled for the 6-step fast and 8-step quality tiers; export it into the package.
 
@@ -56,11 +59,13 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
       clipmill train-model --threads 1
       clipmill train-model --recipe smoke --ckpt /tmp/smoke
       clipmill train-model --ckpt /tmp/distil --from-teacher pipeline/weights/shapes/teacher --out /tmp/shapes
+      clipmill train-model --export-teacher
     """
     import torch
 
     from clipmill.pipeline.models import SHAPES_DIR, quiet_hf
     from clipmill.pipeline.train.export import export_model
+    from clipmill.pipeline.train.export import export_teacher as export_teacher_folder
     from clipmill.pipeline.train.recipe import RECIPES, run_all, seed_from_teacher
 
     names = tuple(s.strip() for s in stages.split(",") if s.strip())
@@ -77,12 +82,15 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
 
     log(f"training recipe {recipe!r}, seed {seed}, {threads} thread(s), checkpoints in {root}")
     try:
+        if export_teacher:
+            log(f"exported the teacher to {export_teacher_folder(root, dest / 'teacher')}")
+            return
         if from_teacher:
-            if names not in (STAGES, ("student",)):
-                raise click.BadParameter(f"{stages!r}: with --from-teacher only the student is trained",
-                                         param_hint="--stages")
+            if names not in (STAGES, ("teacher", "student"), ("student",)):
+                raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if unfinished) and the "
+                                         "student are trained", param_hint="--stages")
             seed_from_teacher(Path(from_teacher).expanduser(), root, RECIPES[recipe].with_seed(seed), log)
-            names = ("student",)
+            names = ("teacher", "student")  # a finished teacher's stage is skipped
         run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names)
         if not no_export and "student" in names:
             export_model(root, dest)

@@ -20,7 +20,9 @@ from pathlib import Path
 from .. import shapes
 from ..choices import TIERS
 from ..models import SHAPES, SHAPES_VERSION
+from . import nets
 from .distill import LCMConfig
+from .stages import _load_state, export_pipeline
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
 MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
@@ -88,14 +90,71 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             raise ValueError(f"the exported model is {size / 2**20:.1f} MiB, over the limit of {max_bytes / 2**20:.1f} MiB")
         for folder in (tmp, tmp / TEACHER):  # both load as the renderer loads them
             AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
-        old = None
-        if dest.exists():
-            old = dest.with_name(f".{dest.name}-old-{os.getpid()}")
-            os.rename(dest, old)
-        os.rename(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        _replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
+    """Write the teacher alone at ``dest`` (a model folder's ``teacher/``): the finished teacher
+    (``ckpt_dir/teacher/pipeline``), or an unfinished one's EMA weights at its last checkpoint
+    (``teacher/state.pt``), with the VAE and text encoder of the earlier stages. Its
+    clipmill.json says which (``training.stages.teacher``: ``step`` and ``finished``), so that
+    ``train-model --from-teacher`` resumes an unfinished teacher instead of distilling it.
+    Replaces ``dest`` atomically."""
+    import torch
+    from diffusers import AnimateDiffPipeline, AutoencoderKL
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    ckpt_dir, dest = Path(ckpt_dir), Path(dest)
+    done = ckpt_dir / "teacher" / "done"
+    recipe = ckpt_dir / "recipe.json"
+    recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
+    stages = {s: (json.loads((ckpt_dir / s / "done").read_text()) if (ckpt_dir / s / "done").exists() else None)
+              for s in ("vae", "text")}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+    try:
+        if done.exists():
+            teacher = AnimateDiffPipeline.from_pretrained(ckpt_dir / "teacher" / "pipeline", dtype=torch.float32)
+            info = {**json.loads(done.read_text()), "finished": True}
+            teacher.unet.to(torch.float16)
+            teacher.save_pretrained(tmp, safe_serialization=True)
+        else:
+            state = _load_state(ckpt_dir / "teacher" / "state.pt")
+            if state is None:
+                raise FileNotFoundError(f"{ckpt_dir / 'teacher' / 'state.pt'} is missing: the teacher has no checkpoint yet")
+            spec = nets.UNetSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["unet"].items()})
+            unet = nets.build_unet(spec)
+            unet.load_state_dict(state["ema"])
+            vae = AutoencoderKL.from_pretrained(ckpt_dir / "vae" / "model")
+            te = CLIPTextModel.from_pretrained(ckpt_dir / "text" / "model")
+            tok = CLIPTokenizer.from_pretrained(ckpt_dir / "text" / "model", model_max_length=nets.MAX_TOKENS)
+            export_pipeline(tmp, unet.to(torch.float16), vae, te, tok, nets.build_scheduler())
+            info = {"step": state["step"], "unet": state["unet"], "params": nets.count(unet), "finished": False}
+        meta = {"model": f"{SHAPES}/{TEACHER}", "shapes_version": SHAPES_VERSION, "native_fps": shapes.FPS,
+                "default_size": [shapes.SIZE, shapes.SIZE], "default_frames": shapes.FRAMES, "max_frames": MAX_FRAMES,
+                "world": "shapes", "guidance_distilled": False,
+                "guidance": (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance),
+                "training": {"recipe": recipe_d or None, "stages": {**stages, "teacher": info}}}
+        (tmp / "clipmill.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+        AnimateDiffPipeline.from_pretrained(tmp, dtype=torch.float32)  # it loads as the renderer loads it
+        _replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _replace(tmp: Path, dest: Path) -> None:
+    """Put the finished folder ``tmp`` at ``dest``, replacing what was there (renames only)."""
+    old = None
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}-old-{os.getpid()}")
+        os.rename(dest, old)
+    os.rename(tmp, dest)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+

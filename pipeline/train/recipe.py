@@ -14,11 +14,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from .data import Clean
 from . import nets
+from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
-from .stages import (DenoiserConfig, Log, StageConfig, StageResult, _mark_done, export_pipeline, train_teacher, train_text,
-                     train_vae)
+from .stages import (DenoiserConfig, Log, StageConfig, StageResult, _mark_done, export_pipeline, save_checkpoint,
+                     train_teacher, train_text, train_vae)
 
 STAGE_ORDER = ("vae", "text", "teacher", "student")
 
@@ -127,11 +127,13 @@ SEEDED = ("vae", "text", "teacher")
 
 
 def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> None:
-    """Start the checkpoint folder ``root`` from a finished teacher: an exported model's
-    ``teacher/`` folder (an AnimateDiff folder with its VAE, text encoder and v-prediction UNet).
-    Its parts become the results of the ``vae``, ``text`` and ``teacher`` stages, marked done, so
-    that only the student is left to train: distilling again (another recipe, a longer run)
-    without training the teacher again. Run again on the same ``root`` and ``folder`` (a resume),
+    """Start the checkpoint folder ``root`` from a teacher: an exported model's ``teacher/``
+    folder (an AnimateDiff folder with its VAE, text encoder and v-prediction UNet). Its parts
+    become the results of the ``vae``, ``text`` and ``teacher`` stages, marked done, so that only
+    the student is left to train: distilling again (another recipe, a longer run) without
+    training the teacher again. A teacher exported unfinished (``export_teacher``: its
+    clipmill.json says ``finished: false`` and its step) is resumed instead: its weights become
+    the teacher stage's checkpoint at that step (with a fresh optimizer). Run again on the same ``root`` and ``folder`` (a resume),
     it does nothing. Refuses a ``root`` that holds any of those stages otherwise (a half-done
     seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
     recipe's size."""
@@ -144,7 +146,7 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
                                 "folder of an exported shapes model (for example pipeline/weights/shapes/teacher)")
     seeded = [json.loads((root / s / "done").read_text()).get("seeded_from") if (root / s / "done").exists() else None
               for s in SEEDED]
-    if seeded == [str(folder)] * len(SEEDED):
+    if seeded[:2] == [str(folder)] * 2 and (seeded[2] == str(folder) or (root / "teacher" / "state.pt").exists()):
         log(f"{root} was seeded from {folder} already: resuming")
         return
     if held := [s for s in SEEDED if (root / s).exists()]:
@@ -169,9 +171,22 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     pipe.text_encoder.save_pretrained(root / "text" / "model")
     pipe.tokenizer.save_pretrained(root / "text" / "model")
     _mark_done(root, "text", {**(before.get("text") or {}), **origin})
-    export_pipeline(root / "teacher" / "pipeline", pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer, pipe.scheduler)
-    _mark_done(root, "teacher", {**(before.get("teacher") or {}), **origin})
-    log(f"seeded {root} from the teacher in {folder}: the vae, text and teacher stages are done")
+    teacher = before.get("teacher") or {}
+    if teacher.get("finished", True):
+        export_pipeline(root / "teacher" / "pipeline", pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer,
+                        pipe.scheduler)
+        _mark_done(root, "teacher", {**teacher, **origin})
+        log(f"seeded {root} from the teacher in {folder}: the vae, text and teacher stages are done")
+        return
+    # an unfinished teacher: its EMA weights become the model and the EMA at its step, with a
+    # fresh optimizer; the teacher stage resumes there
+    unet = pipe.unet.float()
+    opt = torch.optim.AdamW(unet.parameters(), lr=recipe.teacher.lr, weight_decay=0.0)
+    data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
+    save_checkpoint(root / "teacher" / "state.pt", {"model": unet, "ema": unet, "opt": opt}, data, int(teacher["step"]),
+                    unet=recipe.denoiser.unet.as_dict(), **origin)
+    log(f"seeded {root} from the unfinished teacher in {folder}: the vae and text stages are done, the teacher "
+        f"resumes at step {teacher['step']}")
 
 
 def _norm(v):
