@@ -257,10 +257,16 @@ def test_an_unfinished_teacher_exported_and_seeded_resumes_at_its_step(trained, 
     meta = json.loads((folder / "clipmill.json").read_text())
     assert meta["training"]["stages"]["teacher"]["finished"] is False
     assert meta["training"]["stages"]["teacher"]["step"] == TINY.teacher.steps
+    assert (folder / "resume" / "unet.safetensors").exists()  # the trained weights, beside the EMA
     longer = replace(TINY, teacher=replace(TINY.teacher, steps=TINY.teacher.steps + 2))
     again, lines = tmp_path / "again", []
     seed_from_teacher(folder, again, longer, lines.append)
     assert not (again / "teacher" / "done").exists() and (again / "teacher" / "state.pt").exists()
+    seeded, trained_state = torch.load(again / "teacher" / "state.pt", weights_only=False), torch.load(
+        root / "teacher" / "state.pt", weights_only=False)
+    for part in ("model", "ema"):  # each from its own weights (stored half precision)
+        key = next(k for k in trained_state[part] if k.endswith("conv_in.weight"))
+        torch.testing.assert_close(seeded[part][key], trained_state[part][key].half().float())
     run_all(again, longer, clean_caption, lines.append, ("teacher",))
     assert f"[teacher] resumed at step {TINY.teacher.steps}" in lines
     assert json.loads((again / "teacher" / "done").read_text())["step"] == TINY.teacher.steps + 2

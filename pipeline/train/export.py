@@ -17,6 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from safetensors.torch import save_file
+
 from .. import shapes
 from ..choices import TIERS
 from ..models import SHAPES, SHAPES_VERSION
@@ -27,6 +29,7 @@ from .stages import _load_state, export_pipeline
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
 MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
 TEACHER = "teacher"  # the teacher's folder inside the model folder
+RESUME = "resume"  # an unfinished teacher's trained (not averaged) UNet weights, inside its folder
 
 
 def folder_bytes(path: Path) -> int:
@@ -102,7 +105,8 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
     (``ckpt_dir/teacher/pipeline``), or an unfinished one's EMA weights at its last checkpoint
     (``teacher/state.pt``), with the VAE and text encoder of the earlier stages. Its
     clipmill.json says which (``training.stages.teacher``: ``step`` and ``finished``), so that
-    ``train-model --from-teacher`` resumes an unfinished teacher instead of distilling it.
+    ``train-model --from-teacher`` resumes an unfinished teacher instead of distilling it (an
+    unfinished one also keeps its trained, not averaged, UNet weights under ``resume/``).
     Replaces ``dest`` atomically."""
     import torch
     from diffusers import AnimateDiffPipeline, AutoencoderKL
@@ -133,6 +137,10 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
             te = CLIPTextModel.from_pretrained(ckpt_dir / "text" / "model")
             tok = CLIPTokenizer.from_pretrained(ckpt_dir / "text" / "model", model_max_length=nets.MAX_TOKENS)
             export_pipeline(tmp, unet.to(torch.float16), vae, te, tok, nets.build_scheduler())
+            # the trained (not averaged) weights too, so that a resume does not fall back to the
+            # EMA, which lags the training by about 1 / (1 - decay) steps
+            (tmp / RESUME).mkdir()
+            save_file({k: v.half().contiguous() for k, v in state["model"].items()}, tmp / RESUME / "unet.safetensors")
             info = {"step": state["step"], "unet": state["unet"], "params": nets.count(unet), "finished": False}
         meta = {"model": f"{SHAPES}/{TEACHER}", "shapes_version": SHAPES_VERSION, "native_fps": shapes.FPS,
                 "default_size": [shapes.SIZE, shapes.SIZE], "default_frames": shapes.FRAMES, "max_frames": MAX_FRAMES,

@@ -9,10 +9,13 @@ others, so a resume never mixes two trainings.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
+
+from safetensors.torch import load_file
 
 from . import nets
 from .data import Clean, ShapesData
@@ -133,7 +136,8 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     the student is left to train: distilling again (another recipe, a longer run) without
     training the teacher again. A teacher exported unfinished (``export_teacher``: its
     clipmill.json says ``finished: false`` and its step) is resumed instead: its weights become
-    the teacher stage's checkpoint at that step (with a fresh optimizer). Run again on the same ``root`` and ``folder`` (a resume),
+    the teacher stage's checkpoint at that step (the EMA, and the trained weights from its
+    ``resume/`` folder when there, with a fresh optimizer). Run again on the same ``root`` and ``folder`` (a resume),
     it does nothing. Refuses a ``root`` that holds any of those stages otherwise (a half-done
     seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
     recipe's size."""
@@ -180,10 +184,13 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
         return
     # an unfinished teacher: its EMA weights become the model and the EMA at its step, with a
     # fresh optimizer; the teacher stage resumes there
-    unet = pipe.unet.float()
-    opt = torch.optim.AdamW(unet.parameters(), lr=recipe.teacher.lr, weight_decay=0.0)
+    ema = pipe.unet.float()
+    model = copy.deepcopy(ema)
+    if (folder / "resume" / "unet.safetensors").exists():  # the trained weights, ahead of the EMA
+        model.load_state_dict({k: v.float() for k, v in load_file(folder / "resume" / "unet.safetensors").items()})
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.teacher.lr, weight_decay=0.0)
     data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
-    save_checkpoint(root / "teacher" / "state.pt", {"model": unet, "ema": unet, "opt": opt}, data, int(teacher["step"]),
+    save_checkpoint(root / "teacher" / "state.pt", {"model": model, "ema": ema, "opt": opt}, data, int(teacher["step"]),
                     unet=recipe.denoiser.unet.as_dict(), **origin)
     log(f"seeded {root} from the unfinished teacher in {folder}: the vae and text stages are done, the teacher "
         f"resumes at step {teacher['step']}")
