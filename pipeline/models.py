@@ -320,7 +320,11 @@ def tiny_path(name: str = TINY) -> Path:
 def shapes_path() -> Path:
     """The built-in shapes model's folder inside the package, or a ModelError if not built."""
     if not (SHAPES_DIR / "model_index.json").exists():
-        raise ModelError(f"--model {SHAPES!r}: " + SHAPES_MISSING.format(path=SHAPES_DIR))
+        hint = SHAPES_MISSING.format(path=SHAPES_DIR)
+        if (SHAPES_DIR / "teacher" / "model_index.json").exists():
+            hint += (f"; its teacher is shipped ({SHAPES_DIR / 'teacher'}): clipmill train-model --from-teacher "
+                     f"{SHAPES_DIR / 'teacher'} --ckpt DIR finishes it without training the autoencoder again")
+        raise ModelError(f"--model {SHAPES!r}: " + hint)
     return SHAPES_DIR
 
 
