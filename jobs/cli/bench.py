@@ -62,7 +62,6 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
-      clipmill bench --model shapes --adherence --quality-clips 200
       clipmill bench --arch sd15 --device cuda --size 512 --frames 16
     """
     from rich.table import Table
