@@ -14,13 +14,10 @@ code: interpolation, H.264, QC) passes. Everything goes through the production r
 
 from __future__ import annotations
 
-import os
-import tempfile
 import time
 
-from clipmill.jobs.bench.failures import reason_kind
+from clipmill.jobs.bench.failures import post, reason_kind
 from clipmill.jobs.bench.ladder import world_requests
-from clipmill.jobs.runner.stages import convert_and_check
 from clipmill.pipeline import shapes
 from clipmill.pipeline.models import ModelInfo, model_info
 from clipmill.pipeline.render import GroupSettings, Renderer
@@ -44,12 +41,7 @@ def qc_pass_rate(results, fps_out: int, qc: QCConfig) -> tuple[float, dict[str, 
     """The share of clips the post stage's QC passes, and its reasons' counts."""
     passed, reasons = 0, {}
     for r in results:
-        fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-adherence-")
-        os.close(fd)
-        try:
-            _, verdict, _, _ = convert_and_check(r.frames, r.fps, fps_out, tmp, qc)
-        finally:
-            os.unlink(tmp)
+        _, verdict = post(r, fps_out, qc)
         passed += verdict.verdict == "pass"
         for reason in verdict.reasons:
             reasons[reason_kind(reason)] = reasons.get(reason_kind(reason), 0) + 1
