@@ -273,6 +273,17 @@ def test_an_unfinished_teacher_exported_and_seeded_resumes_at_its_step(trained, 
     finished = export_teacher(again, tmp_path / "shipped2" / "teacher")
     assert json.loads((finished / "clipmill.json").read_text())["training"]["stages"]["teacher"]["finished"] is True
 
+    # a recipe whose UNet adds temporal layers grows the unfinished teacher and resumes it
+    grown = replace(longer, denoiser=replace(TINY.denoiser, unet=replace(TINY.denoiser.unet, motion_layers=(1, 1, 1))))
+    big, lines = tmp_path / "grown", []
+    seed_from_teacher(folder, big, grown, lines.append)
+    assert any(line.startswith("grew the teacher's UNet from temporal layers") for line in lines)
+    run_all(big, grown, clean_caption, lines.append, ("teacher",))
+    assert f"[teacher] resumed at step {TINY.teacher.steps}" in lines
+    assert json.loads((big / "teacher" / "done").read_text())["step"] == TINY.teacher.steps + 2
+    with pytest.raises(ValueError, match="temporal_transformer_layers_per_block"):  # a finished one does not grow
+        seed_from_teacher(finished, tmp_path / "grown2", grown, lines.append)
+
 
 def test_the_shapes_name_says_how_to_build_it_until_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "SHAPES_DIR", tmp_path / "absent")
@@ -319,3 +330,36 @@ def test_shape_weight_and_latent_mask_put_the_weight_where_the_shape_is():
     assert float(w.max() / w.min()) == pytest.approx(9.0, rel=1e-4)  # 1 + gain against 1
     flat = shape_weight(torch.zeros(2, shapes.FRAMES, 16, 16), 8.0)
     assert torch.equal(flat, torch.ones_like(flat))  # no shape: the plain loss
+
+
+def test_timestep_weight_keeps_the_high_noise_steps_in_the_loss_with_min_snr_plus1():
+    from clipmill.pipeline.train.stages import timestep_weight
+
+    snr = torch.tensor([0.005, 0.2, 1.0, 4.0, 9.0, 99.0])
+    old = timestep_weight(snr, 5.0, "min_snr")
+    new = timestep_weight(snr, 5.0, "min_snr_plus1")
+    assert torch.allclose(old, torch.tensor([0.005 / 1.005, 0.2 / 1.2, 0.5, 0.8, 0.5, 0.05]), atol=1e-6)
+    assert torch.allclose(new, torch.tensor([1.0, 1.0, 1.0, 1.0, 0.5, 0.05]), atol=1e-6)  # the same cap at low noise
+    with pytest.raises(ValueError, match=r"weighting='snr'; allowed: min_snr, min_snr_plus1"):
+        timestep_weight(snr, 5.0, "snr")
+    with pytest.raises(ValueError, match=r"DenoiserConfig.weighting='snr'"):
+        DenoiserConfig(weighting="snr")
+
+
+def test_grow_unet_adds_temporal_layers_that_start_as_the_identity(single_thread):
+    from clipmill.pipeline.train import nets
+
+    small = UNetSpec(channels=(16, 32, 32), heads=1, motion_heads=1)
+    big = replace(small, motion_layers=(1, 1, 1))
+    torch.manual_seed(0)
+    old = nets.build_unet(small).eval()
+    new = nets.grow_unet(old.state_dict(), big).eval()
+    assert nets.count(new) > nets.count(old)
+    x, t = torch.randn(1, 4, shapes.FRAMES, 16, 16), torch.tensor([500])
+    ehs = torch.randn(shapes.FRAMES, 5, nets.TEXT_WIDTH)
+    with torch.no_grad():
+        torch.testing.assert_close(new(x, t, encoder_hidden_states=ehs).sample, old(x, t, encoder_hidden_states=ehs).sample)
+    with pytest.raises(ValueError, match=r"weight\(s\) have no place in UNetSpec"):
+        nets.grow_unet(new.state_dict(), small)  # layers are never dropped
+    with pytest.raises(ValueError, match="has shape"):
+        nets.grow_unet(old.state_dict(), replace(big, channels=(16, 32, 48)))

@@ -159,3 +159,34 @@ def build_scheduler():
 def count(module) -> int:
     """Number of parameters."""
     return sum(p.numel() for p in module.parameters())
+
+
+# the parts of a temporal transformer block that write into its residual stream
+_BLOCK_OUTPUTS = ("attn1.to_out.0.", "attn2.to_out.0.", "ff.net.2.")
+
+
+def grow_unet(state: dict, spec: UNetSpec):
+    """A UNet of ``spec`` that computes exactly what the UNet with weights ``state`` computes, when
+    ``spec`` only adds temporal transformer layers to it: the old weights are loaded, and each new
+    layer's outputs into the residual stream (its attentions' and feed-forward's last
+    projections) start at zero, so every new layer starts as the identity and training adds to
+    what the old network had learnt. Raises ValueError naming the weights that do not fit."""
+    import torch
+
+    unet = build_unet(spec)
+    mine = unet.state_dict()
+    if extra := [k for k in state if k not in mine]:
+        raise ValueError(f"grow_unet: {len(extra)} weight(s) have no place in UNetSpec {spec} (for example "
+                         f"{extra[0]}): a UNet can only grow temporal layers")
+    if bad := [k for k in state if state[k].shape != mine[k].shape]:
+        raise ValueError(f"grow_unet: {bad[0]} has shape {tuple(state[bad[0]].shape)}, UNetSpec {spec} needs "
+                         f"{tuple(mine[bad[0]].shape)}: a UNet can only grow temporal layers")
+    new = [k for k in mine if k not in state]
+    if wrong := [k for k in new if ".motion_modules." not in k or ".transformer_blocks." not in k]:
+        raise ValueError(f"grow_unet: {wrong[0]} would start untrained: a UNet can only grow temporal layers")
+    unet.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    with torch.no_grad():
+        for name, p in unet.named_parameters():
+            if name in new and any(o in name for o in _BLOCK_OUTPUTS):
+                p.zero_()
+    return unet

@@ -140,7 +140,8 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     ``resume/`` folder when there, with a fresh optimizer). Run again on the same ``root`` and ``folder`` (a resume),
     it does nothing. Refuses a ``root`` that holds any of those stages otherwise (a half-done
     seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
-    recipe's size."""
+    recipe's size, except that an unfinished teacher may grow temporal transformer layers
+    (``nets.grow_unet``: they start as the identity, so the teacher resumes where it was)."""
     import torch
     from diffusers import AnimateDiffPipeline
 
@@ -160,22 +161,25 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     want = nets.build_unet(recipe.denoiser.unet).config
     keys = ("block_out_channels", "down_block_types", "up_block_types", "temporal_transformer_layers_per_block",
             "num_attention_heads", "motion_num_attention_heads", "cross_attention_dim")
-    if diff := [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]:
+    meta = json.loads((folder / "clipmill.json").read_text()) if (folder / "clipmill.json").exists() else {}
+    before = (meta.get("training") or {}).get("stages") or {}
+    teacher = before.get("teacher") or {}
+    diff = [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]
+    # an unfinished teacher may grow temporal layers (nets.grow_unet refuses anything else)
+    grow = diff == ["temporal_transformer_layers_per_block"] and not teacher.get("finished", True)
+    if diff and not grow:
         raise ValueError(f"--from-teacher {folder}: its UNet has " + ", ".join(f"{k}={pipe.unet.config.get(k)}" for k in diff)
                          + f"; the {recipe.name!r} recipe's has " + ", ".join(f"{k}={want.get(k)}" for k in diff))
     if pipe.scheduler.config.prediction_type != "v_prediction":
         raise ValueError(f"--from-teacher {folder}: prediction_type={pipe.scheduler.config.prediction_type!r}; "
                          "the distillation reads v-predictions ('v_prediction')")
     check_root(root, recipe)
-    meta = json.loads((folder / "clipmill.json").read_text()) if (folder / "clipmill.json").exists() else {}
-    before = (meta.get("training") or {}).get("stages") or {}
     origin = {"seeded_from": str(folder)}
     pipe.vae.save_pretrained(root / "vae" / "model")
     _mark_done(root, "vae", {**(before.get("vae") or {}), **origin})
     pipe.text_encoder.save_pretrained(root / "text" / "model")
     pipe.tokenizer.save_pretrained(root / "text" / "model")
     _mark_done(root, "text", {**(before.get("text") or {}), **origin})
-    teacher = before.get("teacher") or {}
     if teacher.get("finished", True):
         export_pipeline(root / "teacher" / "pipeline", pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer,
                         pipe.scheduler)
@@ -184,10 +188,18 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
         return
     # an unfinished teacher: its EMA weights become the model and the EMA at its step, with a
     # fresh optimizer; the teacher stage resumes there
-    ema = pipe.unet.float()
+    spec = recipe.denoiser.unet
+    ema = nets.grow_unet(pipe.unet.state_dict(), spec) if grow else pipe.unet.float()
     model = copy.deepcopy(ema)
     if (folder / "resume" / "unet.safetensors").exists():  # the trained weights, ahead of the EMA
-        model.load_state_dict({k: v.float() for k, v in load_file(folder / "resume" / "unet.safetensors").items()})
+        trained = load_file(folder / "resume" / "unet.safetensors")
+        if grow:
+            model = nets.grow_unet(trained, spec)
+        else:
+            model.load_state_dict({k: v.float() for k, v in trained.items()})
+    if grow:
+        log(f"grew the teacher's UNet from temporal layers {pipe.unet.config.temporal_transformer_layers_per_block} "
+            f"to {spec.motion_layers} (the new layers start as the identity)")
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.teacher.lr, weight_decay=0.0)
     data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
     save_checkpoint(root / "teacher" / "state.pt", {"model": model, "ema": ema, "opt": opt}, data, int(teacher["step"]),

@@ -444,15 +444,36 @@ def shape_weight(mask: torch.Tensor, gain: float) -> torch.Tensor:
     return w / w.mean(dim=(1, 2, 3, 4), keepdim=True)
 
 
+WEIGHTINGS = ("min_snr", "min_snr_plus1")
+
+
+def timestep_weight(snr: torch.Tensor, min_snr: float, weighting: str = "min_snr") -> torch.Tensor:
+    """The v-prediction MSE's weight per timestep, from its SNR (``alpha_bar / (1 - alpha_bar)``).
+
+    - ``min_snr`` (Hang et al. 2023, for v-prediction): ``min(SNR, min_snr) / (SNR + 1)``. In
+      terms of the clean-latent error that is ``min(SNR, min_snr)``: at high noise it falls to
+      about SNR, as the epsilon loss, so the first half of the schedule, where the sampler lays
+      out where the shape is and how the scene moves, weighs under a fifth of the rest.
+    - ``min_snr_plus1``: ``min(SNR + 1, min_snr) / (SNR + 1)``, i.e. ``min(1, min_snr / (SNR + 1))``:
+      the plain v loss (clean-latent weight SNR + 1, as progressive distillation's) at high noise,
+      capped like min-SNR at low noise.
+    """
+    if weighting == "min_snr":
+        return snr.clamp(max=min_snr) / (snr + 1)
+    if weighting == "min_snr_plus1":
+        return (snr + 1).clamp(max=min_snr) / (snr + 1)
+    raise ValueError(f"weighting={weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
+
+
 def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, scheduler,
-                 min_snr: float, cells: torch.Tensor | None = None) -> torch.Tensor:
-    """The teacher's loss: v-prediction MSE with min-SNR weighting, ``min(SNR, min_snr) / (SNR + 1)``,
-    and per-cell weights ``cells`` (:func:`shape_weight`) when given."""
+                 min_snr: float, cells: torch.Tensor | None = None, weighting: str = "min_snr") -> torch.Tensor:
+    """The teacher's loss: v-prediction MSE weighted per timestep (:func:`timestep_weight`) and per
+    cell (``cells``, :func:`shape_weight`) when given."""
     acp = scheduler.alphas_cumprod
     zt = scheduler.add_noise(z0, noise, t)
     target = scheduler.get_velocity(z0, noise, t)
     snr = acp[t] / (1 - acp[t])
-    weight = (snr.clamp(max=min_snr) / (snr + 1)).view(-1, 1, 1, 1, 1)
+    weight = timestep_weight(snr, min_snr, weighting).view(-1, 1, 1, 1, 1)
     if cells is not None:
         weight = weight * cells
     pred = unet(zt, t, encoder_hidden_states=cond.repeat_interleave(z0.shape[2], dim=0)).sample
@@ -484,12 +505,14 @@ class DenoiserConfig:
       unweighted, drew colour, background and camera right by step 2,000 but the shape's motion
       at chance: the shape is 3-9% of the pixels (about twice that of the latent cells, which
       count when its edge touches them), so its trajectory was a small part of the loss.
+    - ``min_snr`` and ``weighting``: the loss's weight per timestep (:func:`timestep_weight`).
     """
 
     unet: nets.UNetSpec = nets.TEACHER
     pool_clips: int = 16384
     cfg_drop: float = 0.1
     min_snr: float = 5.0
+    weighting: str = "min_snr"
     ema_decay: float = 0.999
     timesteps: str = "uniform"
     warmup: int = 200
@@ -498,6 +521,8 @@ class DenoiserConfig:
     def __post_init__(self):
         if self.timesteps not in ("uniform", "logit_normal"):
             raise ValueError(f"DenoiserConfig.timesteps={self.timesteps!r}; allowed: uniform, logit_normal")
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"DenoiserConfig.weighting={self.weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
         if self.pool_clips < 1:
             raise ValueError(f"DenoiserConfig.pool_clips={self.pool_clips}: must be at least 1")
 
@@ -547,11 +572,12 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
     step = resume(root / stage / "state.pt", parts, data, log, stage, check=same_size)
     log(f"[{stage}] UNetMotionModel {nets.count(unet) / 1e6:.2f} M params, batch {cfg.batch} clips from a pool of "
         f"{len(pool)}, latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}, "
-        f"{net.timesteps} timesteps, lr {cfg.lr}, shape cells weighted {1 + net.shape_gain:g}x")
+        f"{net.timesteps} timesteps weighted {net.weighting} {net.min_snr:g}, lr {cfg.lr}, shape cells weighted "
+        f"{1 + net.shape_gain:g}x")
     probe = Probe.make(vae, text, clean, seed=cfg.seed + 77)
     result = StageResult()
 
-    def run_probe() -> None:
+    def run_probe() -> None:  # always min-SNR weighted, so that runs of either weighting compare
         with torch.no_grad():
             result.probe[step] = teacher_loss(unet, probe.z0, probe.cond, probe.t, probe.noise, scheduler, net.min_snr,
                                               shape_weight(probe.mask, net.shape_gain)).item()
@@ -570,7 +596,8 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
         t = net.sample_timesteps(len(z0), scheduler.config.num_train_timesteps)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / net.warmup)
-        loss = teacher_loss(unet, z0, cond, t, noise, scheduler, net.min_snr, shape_weight(mask, net.shape_gain))
+        loss = teacher_loss(unet, z0, cond, t, noise, scheduler, net.min_snr, shape_weight(mask, net.shape_gain),
+                            net.weighting)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
