@@ -59,10 +59,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         teacher.save_pretrained(tmp / TEACHER, safe_serialization=True)
-        stages = {}
-        for stage in ("vae", "text", "teacher", "student"):
-            done = ckpt_dir / stage / "done"
-            stages[stage] = json.loads(done.read_text()) if done.exists() else None
+        stages = {stage: _stage_info(ckpt_dir, stage) for stage in ("vae", "text", "teacher", "student")}
         recipe = ckpt_dir / "recipe.json"
         recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
         guidance = (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance)
@@ -116,8 +113,7 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
     done = ckpt_dir / "teacher" / "done"
     recipe = ckpt_dir / "recipe.json"
     recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
-    stages = {s: (json.loads((ckpt_dir / s / "done").read_text()) if (ckpt_dir / s / "done").exists() else None)
-              for s in ("vae", "text")}
+    stages = {s: _stage_info(ckpt_dir, s) for s in ("vae", "text")}
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
@@ -166,3 +162,14 @@ def _replace(tmp: Path, dest: Path) -> None:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
+
+
+def _stage_info(ckpt_dir: Path, stage: str) -> dict | None:
+    """A finished stage's record (its ``done`` marker) as a shipped clipmill.json keeps it: without
+    ``seeded_from``, the path of the folder a checkpoint was seeded from on the training machine."""
+    done = ckpt_dir / stage / "done"
+    if not done.exists():
+        return None
+    info = json.loads(done.read_text())
+    info.pop("seeded_from", None)
+    return info
