@@ -235,6 +235,10 @@ def test_help_examples_run_as_written(tmp_path, monkeypatch, redis_url, s3_endpo
         elif "--device cuda" in example and not torch.cuda.is_available():
             res = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True, timeout=120)
             assert res.returncode == 3 and "Error: --device cuda: " in res.stderr, res.stderr
+        elif example == "clipmill train-model --export-teacher":  # an empty checkpoint folder: says so
+            res = subprocess.run(["bash", "-c", command], cwd=work, env=dict(env, CLIPMILL_TRAIN_DIR=str(work / "train")),
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 2 and "the teacher has no checkpoint yet" in res.stderr, res.stderr
         elif example.startswith(LONG):  # train-model's checkpoints go under tmp_path, not ~/.cache
             still_running_cleanly(command.replace("/tmp/smoke", str(work / "smoke")),
                                   dict(env, CLIPMILL_TRAIN_DIR=str(work / "train")), work)
