@@ -119,7 +119,7 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
     try:
         if done.exists():
             teacher = AnimateDiffPipeline.from_pretrained(ckpt_dir / "teacher" / "pipeline", dtype=torch.float32)
-            info = {**json.loads(done.read_text()), "finished": True}
+            info = {**_stage_info(ckpt_dir, "teacher"), "finished": True}
             teacher.unet.to(torch.float16)
             teacher.save_pretrained(tmp, safe_serialization=True)
         else:
@@ -161,7 +161,6 @@ def _replace(tmp: Path, dest: Path) -> None:
     os.rename(tmp, dest)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
 
 
 def _stage_info(ckpt_dir: Path, stage: str) -> dict | None:
