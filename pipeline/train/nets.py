@@ -170,7 +170,8 @@ def grow_unet(state: dict, spec: UNetSpec):
     ``spec`` only adds temporal transformer layers to it: the old weights are loaded, and each new
     layer's outputs into the residual stream (its attentions' and feed-forward's last
     projections) start at zero, so every new layer starts as the identity and training adds to
-    what the old network had learnt. Raises ValueError naming the weights that do not fit."""
+    what the old network had learnt. With nothing to add it is a strict load of ``state`` in
+    float32. Raises ValueError naming the weights that do not fit."""
     import torch
 
     unet = build_unet(spec)

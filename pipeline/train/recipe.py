@@ -189,14 +189,9 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     # an unfinished teacher: its EMA weights become the model and the EMA at its step, with a
     # fresh optimizer; the teacher stage resumes there
     spec = recipe.denoiser.unet
-    ema = nets.grow_unet(pipe.unet.state_dict(), spec) if grow else pipe.unet.float()
-    model = copy.deepcopy(ema)
-    if (folder / "resume" / "unet.safetensors").exists():  # the trained weights, ahead of the EMA
-        trained = load_file(folder / "resume" / "unet.safetensors")
-        if grow:
-            model = nets.grow_unet(trained, spec)
-        else:
-            model.load_state_dict({k: v.float() for k, v in trained.items()})
+    ema = nets.grow_unet(pipe.unet.state_dict(), spec)
+    trained = folder / "resume" / "unet.safetensors"  # the trained weights, ahead of the EMA
+    model = nets.grow_unet(load_file(trained), spec) if trained.exists() else copy.deepcopy(ema)
     if grow:
         log(f"grew the teacher's UNet from temporal layers {pipe.unet.config.temporal_transformer_layers_per_block} "
             f"to {spec.motion_layers} (the new layers start as the identity)")
