@@ -240,7 +240,9 @@ def test_help_examples_run_as_written(tmp_path, monkeypatch, redis_url, s3_endpo
                                  capture_output=True, text=True, timeout=120)
             assert res.returncode == 2 and "the teacher has no checkpoint yet" in res.stderr, res.stderr
         elif example.startswith(LONG):  # train-model's checkpoints go under tmp_path, not ~/.cache
-            still_running_cleanly(command.replace("/tmp/smoke", str(work / "smoke")),
+            for scratch in ("/tmp/smoke", "/tmp/distil", "/tmp/shapes"):
+                command = command.replace(scratch, str(work / Path(scratch).name))
+            still_running_cleanly(command,
                                   dict(env, CLIPMILL_TRAIN_DIR=str(work / "train")), work)
         else:
             out = invoke(command)

@@ -41,9 +41,9 @@ def clean_caption(raw: str) -> str:
               help="Export the model folder here [default: the package's built-in 'shapes' folder for --recipe full, "
                    "CKPT/export for smoke].")
 @click.option("--no-export", is_flag=True, help="Train only; do not write the model folder.")
-@click.option("--from-teacher", type=click.Path(file_okay=False), default=None,
-              help="Seed an empty --ckpt from a finished teacher folder (an exported model's teacher/, e.g. "
-                   "pipeline/weights/shapes/teacher) and train only the student.")
+@click.option("--from-teacher", default=None, metavar="DIR|shapes",
+              help="Seed an empty --ckpt from an exported model's teacher/ folder ('shapes': the built-in "
+                   "model's) and train the rest: the teacher's last steps if it is unfinished, then the student.")
 @click.option("--export-teacher", is_flag=True,
               help="Only write OUT/teacher from --ckpt's teacher (finished, or its last checkpoint's EMA, marked "
                    "unfinished so that --from-teacher resumes it) and exit.")
@@ -58,7 +58,7 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
     Example:
       clipmill train-model --threads 1
       clipmill train-model --recipe smoke --ckpt /tmp/smoke
-      clipmill train-model --ckpt /tmp/distil --from-teacher pipeline/weights/shapes/teacher --out /tmp/shapes
+      clipmill train-model --ckpt /tmp/distil --from-teacher shapes --out /tmp/shapes
       clipmill train-model --export-teacher
     """
     import torch
@@ -89,7 +89,8 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
             if names not in (STAGES, ("teacher", "student"), ("student",)):
                 raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if unfinished) and the "
                                          "student are trained", param_hint="--stages")
-            seed_from_teacher(Path(from_teacher).expanduser(), root, RECIPES[recipe].with_seed(seed), log)
+            teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
+            seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
             names = ("teacher", "student")  # a finished teacher's stage is skipped
         run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names)
         if not no_export and "student" in names:

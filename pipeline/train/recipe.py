@@ -148,7 +148,7 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     folder = Path(folder)
     if not (folder / "model_index.json").exists():
         raise FileNotFoundError(f"--from-teacher {folder}: {folder / 'model_index.json'} is missing; pass the teacher "
-                                "folder of an exported shapes model (for example pipeline/weights/shapes/teacher)")
+                                "folder of an exported shapes model (or 'shapes', the built-in model's)")
     seeded = [json.loads((root / s / "done").read_text()).get("seeded_from") if (root / s / "done").exists() else None
               for s in SEEDED]
     if seeded[:2] == [str(folder)] * 2 and (seeded[2] == str(folder) or (root / "teacher" / "state.pt").exists()):
