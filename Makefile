@@ -17,9 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e '.[dev]'
 	touch $@
 
+# The shapes-world batch (4 English, 4 Chinese rows) with the built-in shapes model.
 demo: install
-	$(VENV)/bin/clipmill run examples/ad-batch.csv --out clipmill-out \
-		--template "{dish} on a table in {store}, {camera}"
+	$(VENV)/bin/clipmill run examples/shapes-batch.csv --out clipmill-out
 
 # Train the built-in shapes model from SEED and export it into pipeline/weights/shapes/.
 # Checkpoints live in $CLIPMILL_TRAIN_DIR (default ~/.cache/clipmill/train): rerun to resume.

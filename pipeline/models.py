@@ -323,7 +323,7 @@ def shapes_path() -> Path:
         hint = SHAPES_MISSING.format(path=SHAPES_DIR)
         if (SHAPES_DIR / "teacher" / "model_index.json").exists():
             hint += (f"; its teacher is shipped ({SHAPES_DIR / 'teacher'}): clipmill train-model --from-teacher "
-                     f"{SHAPES_DIR / 'teacher'} --ckpt DIR finishes it without training the autoencoder again")
+                     "shapes --ckpt DIR finishes it without training the autoencoder again")
         raise ModelError(f"--model {SHAPES!r}: " + hint)
     return SHAPES_DIR
 

@@ -58,6 +58,10 @@ def tiny_cache(tmp_path_factory):
     """One tiny model for the whole session, built through save_pretrained/from_pretrained."""
     cache = os.environ.get("CLIPMILL_TEST_CACHE") or str(tmp_path_factory.mktemp("cache"))
     os.environ["CLIPMILL_CACHE"] = cache
+    # run/submit/prompts render with 'tiny' unless a test passes --model: their assertions are
+    # about the job table and the stages, and tiny's frames and sizes are what they check;
+    # the built-in shapes model (the users' default) has tests of its own (test_train, test_run)
+    os.environ["CLIPMILL_MODEL"] = "tiny"
     return cache
 
 

@@ -87,6 +87,7 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
 
     \b
     Example:
+      clipmill run examples/shapes-batch.csv
       clipmill run examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
       clipmill run --resume ad-batch-20261129-210000
     """

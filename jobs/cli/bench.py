@@ -8,11 +8,12 @@ from dataclasses import replace
 import click
 
 from clipmill.jobs.cli.common import BadInput, default_device, domain_errors, err, out, qc_config_options
-from clipmill.pipeline.models import TINY, ModelError
+from clipmill.pipeline.models import SHAPES, ModelError
 
 
 @click.command("bench")
-@click.option("--model", default=TINY, show_default=True, help="'tiny', 'tiny-wan' or a local diffusers model folder.")
+@click.option("--model", default=SHAPES, show_default=True,
+              help="'shapes' (built in), 'tiny', 'tiny-wan' or a local diffusers model folder.")
 @click.option("--arch", type=click.Choice(["sd15"]), default=None,
               help="Instead of --model: build this full-size architecture with random weights (GPU figures "
                    "without a download; about 38 s per UNet call on a 2-core CPU).")

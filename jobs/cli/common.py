@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from clipmill.pipeline.models import TINY, TINY_MODELS, TINY_WARNING, ModelError
+from clipmill.pipeline.models import SHAPES, TINY_MODELS, TINY_WARNING, ModelError
 from clipmill.pipeline.choices import SAMPLERS, TIERS
 
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
@@ -89,8 +89,9 @@ def warn(message: str) -> None:
 def batch_options(fn):
     """Options shared by run, submit and prompts check."""
 
-    @click.option("--model", default=TINY, show_default=True, envvar="CLIPMILL_MODEL",
-                  help="'tiny' or 'tiny-wan' (random weights, smoke runs only), or a local diffusers AnimateDiff or Wan folder.")
+    @click.option("--model", default=SHAPES, show_default=True, envvar="CLIPMILL_MODEL",
+                  help="'shapes' (built in, trained on the shapes world: see README), 'tiny' or 'tiny-wan' (random "
+                       "weights, smoke runs only), or a local diffusers AnimateDiff or Wan folder.")
     @click.option("--template", default=None,
                   help='Build each prompt from columns, e.g. "{dish} on a table in {store}, {camera}".')
     @click.option("--truncate", is_flag=True, help="Cut prompts longer than the tokenizer's limit instead of refusing them.")
