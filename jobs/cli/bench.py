@@ -60,6 +60,7 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
 
     \b
     Example:
+      clipmill bench --adherence
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
