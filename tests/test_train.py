@@ -284,6 +284,16 @@ def test_an_unfinished_teacher_exported_and_seeded_resumes_at_its_step(trained, 
     with pytest.raises(ValueError, match="temporal_transformer_layers_per_block"):  # a finished one does not grow
         seed_from_teacher(finished, tmp_path / "grown2", grown, lines.append)
 
+    # a finished teacher with a recipe that trains it longer resumes from its EMA weights
+    longest = replace(TINY, teacher=replace(TINY.teacher, steps=TINY.teacher.steps + 4))
+    on, lines = tmp_path / "on", []
+    seed_from_teacher(finished, on, longest, lines.append)
+    assert any(line.endswith(f"the teacher resumes at step {TINY.teacher.steps + 2} of the recipe's "
+                             f"{TINY.teacher.steps + 4}") and "from the finished teacher" in line for line in lines), lines
+    run_all(on, longest, clean_caption, lines.append, ("teacher",))
+    assert f"[teacher] resumed at step {TINY.teacher.steps + 2}" in lines
+    assert json.loads((on / "teacher" / "done").read_text())["step"] == TINY.teacher.steps + 4
+
 
 def test_the_shapes_name_says_how_to_build_it_until_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(models, "SHAPES_DIR", tmp_path / "absent")

@@ -43,7 +43,8 @@ def clean_caption(raw: str) -> str:
 @click.option("--no-export", is_flag=True, help="Train only; do not write the model folder.")
 @click.option("--from-teacher", default=None, metavar="DIR|shapes",
               help="Seed an empty --ckpt from an exported model's teacher/ folder ('shapes': the built-in "
-                   "model's) and train the rest: the teacher's last steps if it is unfinished, then the student.")
+                   "model's) and train the rest: the teacher's remaining steps if it has run fewer than the recipe's, "
+                   "then the student.")
 @click.option("--export-teacher", is_flag=True,
               help="Only write OUT/teacher from --ckpt's teacher (finished, or its last checkpoint's EMA, marked "
                    "unfinished so that --from-teacher resumes it) and exit.")

@@ -139,7 +139,9 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     clipmill.json says ``finished: false`` and its step) is resumed instead: its weights become
     the teacher stage's checkpoint at that step (the EMA, and the trained weights from its
     ``resume/`` folder when there, with a fresh optimizer). Run again on the same ``root`` and ``folder`` (a resume),
-    it does nothing. Refuses a ``root`` that holds any of those stages otherwise (a half-done
+    it does nothing. A finished teacher whose step is below the recipe's teacher steps is resumed
+    the same way, from its EMA weights (to train the shipped teacher longer, raise the recipe's
+    ``steps``). Refuses a ``root`` that holds any of those stages otherwise (a half-done
     seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
     recipe's size, except that an unfinished teacher may grow temporal transformer layers
     (``nets.grow_unet``: they start as the identity, so the teacher resumes where it was)."""
@@ -166,8 +168,10 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     before = (meta.get("training") or {}).get("stages") or {}
     teacher = before.get("teacher") or {}
     diff = [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]
-    # an unfinished teacher may grow temporal layers (nets.grow_unet refuses anything else)
-    grow = diff == ["temporal_transformer_layers_per_block"] and not teacher.get("finished", True)
+    # a teacher resumes when it is unfinished, or finished short of the recipe's steps (a recipe
+    # that trains it longer); it may then grow temporal layers (nets.grow_unet refuses anything else)
+    resumable = not teacher.get("finished", True) or int(teacher.get("step") or 0) < recipe.teacher.steps
+    grow = diff == ["temporal_transformer_layers_per_block"] and resumable
     if diff and not grow:
         raise ValueError(f"--from-teacher {folder}: its UNet has " + ", ".join(f"{k}={pipe.unet.config.get(k)}" for k in diff)
                          + f"; the {recipe.name!r} recipe's has " + ", ".join(f"{k}={want.get(k)}" for k in diff))
@@ -181,14 +185,14 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     pipe.text_encoder.save_pretrained(root / "text" / "model")
     pipe.tokenizer.save_pretrained(root / "text" / "model")
     _mark_done(root, "text", {**(before.get("text") or {}), **origin})
-    if teacher.get("finished", True):
+    if not resumable:
         export_pipeline(root / "teacher" / "pipeline", pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer,
                         pipe.scheduler)
         _mark_done(root, "teacher", {**teacher, **origin})
         log(f"seeded {root} from the teacher in {folder}: the vae, text and teacher stages are done")
         return
-    # an unfinished teacher: its EMA weights become the model and the EMA at its step, with a
-    # fresh optimizer; the teacher stage resumes there
+    # an unfinished teacher (or a finished one the recipe trains longer): its EMA weights become
+    # the model and the EMA at its step, with a fresh optimizer; the teacher stage resumes there
     spec = recipe.denoiser.unet
     ema = nets.grow_unet(pipe.unet.state_dict(), spec)
     trained = folder / "resume" / "unet.safetensors"  # the trained weights, ahead of the EMA
@@ -200,8 +204,9 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
     save_checkpoint(root / "teacher" / "state.pt", {"model": model, "ema": ema, "opt": opt}, data, int(teacher["step"]),
                     unet=recipe.denoiser.unet.as_dict(), **origin)
-    log(f"seeded {root} from the unfinished teacher in {folder}: the vae and text stages are done, the teacher "
-        f"resumes at step {teacher['step']}")
+    state = "unfinished" if not teacher.get("finished", True) else "finished"
+    log(f"seeded {root} from the {state} teacher in {folder}: the vae and text stages are done, the teacher "
+        f"resumes at step {teacher['step']} of the recipe's {recipe.teacher.steps}")
 
 
 def _norm(v):
