@@ -60,7 +60,7 @@ def tiny_cache(tmp_path_factory):
     os.environ["CLIPMILL_CACHE"] = cache
     # run/submit/prompts render with 'tiny' unless a test passes --model: their assertions are
     # about the job table and the stages, and tiny's frames and sizes are what they check;
-    # the built-in shapes model (the users' default) has tests of its own (test_train, test_run)
+    # the built-in shapes model (the users' default) has tests of its own (test_shapes_model, test_train)
     os.environ["CLIPMILL_MODEL"] = "tiny"
     return cache
 

@@ -8,6 +8,7 @@ motion, and ``make demo``'s batch renders, passes QC in part and prints its adhe
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -17,7 +18,7 @@ from clipmill.jobs.cli.train import clean_caption
 from clipmill.pipeline import models, shapes
 from clipmill.qc import adherence
 
-REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")

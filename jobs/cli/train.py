@@ -88,8 +88,8 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
             return
         if from_teacher:
             if names not in (STAGES, ("teacher", "student"), ("student",)):
-                raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if unfinished) and the "
-                                         "student are trained", param_hint="--stages")
+                raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if it has run fewer "
+                                         "steps than the recipe's) and the student are trained", param_hint="--stages")
             teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
             seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
             names = ("teacher", "student")  # a finished teacher's stage is skipped

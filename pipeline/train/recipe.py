@@ -143,7 +143,7 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     the same way, from its EMA weights (to train the shipped teacher longer, raise the recipe's
     ``steps``). Refuses a ``root`` that holds any of those stages otherwise (a half-done
     seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
-    recipe's size, except that an unfinished teacher may grow temporal transformer layers
+    recipe's size, except that a teacher it resumes may grow temporal transformer layers
     (``nets.grow_unet``: they start as the identity, so the teacher resumes where it was)."""
     import torch
     from diffusers import AnimateDiffPipeline
@@ -170,7 +170,8 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     diff = [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]
     # a teacher resumes when it is unfinished, or finished short of the recipe's steps (a recipe
     # that trains it longer); it may then grow temporal layers (nets.grow_unet refuses anything else)
-    resumable = not teacher.get("finished", True) or int(teacher.get("step") or 0) < recipe.teacher.steps
+    finished = teacher.get("finished", True)
+    resumable = not finished or int(teacher.get("step") or 0) < recipe.teacher.steps
     grow = diff == ["temporal_transformer_layers_per_block"] and resumable
     if diff and not grow:
         raise ValueError(f"--from-teacher {folder}: its UNet has " + ", ".join(f"{k}={pipe.unet.config.get(k)}" for k in diff)
@@ -204,8 +205,7 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
     save_checkpoint(root / "teacher" / "state.pt", {"model": model, "ema": ema, "opt": opt}, data, int(teacher["step"]),
                     unet=recipe.denoiser.unet.as_dict(), **origin)
-    state = "unfinished" if not teacher.get("finished", True) else "finished"
-    log(f"seeded {root} from the {state} teacher in {folder}: the vae and text stages are done, the teacher "
+    log(f"seeded {root} from the {'finished' if finished else 'unfinished'} teacher in {folder}: the vae and text stages are done, the teacher "
         f"resumes at step {teacher['step']} of the recipe's {recipe.teacher.steps}")
 
 
