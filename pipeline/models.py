@@ -28,6 +28,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .choices import check_noise_shared
+
 TINY = "tiny"
 TINY_WAN = "tiny-wan"
 TINY_MODELS = (TINY, TINY_WAN)
@@ -84,6 +86,9 @@ class ModelInfo:
     world: str | None = None
     teacher: Path | None = None
     teacher_guidance: float = 7.5
+    # clipmill.json "noise_shared": the share of the noise's variance common to all frames that
+    # the model was trained with (pipeline.noise, PYoCo's mixed prior); 0 for independent noise
+    noise_shared: float = 0.0
 
     @property
     def is_tiny(self) -> bool:
@@ -409,6 +414,10 @@ def _animatediff_info(model: str, path: Path) -> ModelInfo:
 def _teacher_and_world(path: Path, extra: dict) -> dict:
     """``world``, ``teacher`` and ``teacher_guidance`` from a folder's clipmill.json."""
     out: dict = {"world": extra.get("world"), "teacher_guidance": float(extra.get("teacher_guidance", 7.5))}
+    try:
+        out["noise_shared"] = check_noise_shared(extra.get("noise_shared", 0.0))
+    except ValueError as e:
+        raise ModelError(f"{path / 'clipmill.json'}: {e}") from None
     if extra.get("teacher"):
         teacher = path / extra["teacher"]
         if not teacher.resolve().is_relative_to(path.resolve()):

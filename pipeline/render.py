@@ -33,6 +33,7 @@ from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
 from clipmill.pipeline.choices import COMPILERS, DECODERS, TIERS
 from clipmill.pipeline.compile import RESOLUTION_TIERS, compile_denoiser
 from clipmill.pipeline.sampler import make_scheduler, sample
+from clipmill.pipeline.noise import video_noise
 from clipmill.pipeline.textkv import TextKVCache
 
 log = logging.getLogger("clipmill.render")
@@ -228,7 +229,8 @@ class Renderer:
         scheduler = make_scheduler(self.pipe.scheduler.config, settings.sampler)
         generators = [torch.Generator("cpu").manual_seed(int(r.seed)) for r in requests]
         shape = self.latent_shape(first)
-        latents = torch.cat([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+        # with the model's noise prior: a share common to all frames (0 for most models: plain randn)
+        latents = torch.cat([video_noise(shape, self.info.noise_shared, g) for g in generators])
         latents = (latents * getattr(scheduler, "init_noise_sigma", 1.0)).to(self.device, self.dtype)
 
         # 3. denoise, with every cache reset before and after
@@ -238,7 +240,8 @@ class Renderer:
             predict = self._predictor(cond, neg, first)
             alpha_bar = alpha_bar_fn(scheduler) if mode.startswith("rcfg") else None
             guided = GuidedDenoiser(predict, mode, settings.guidance, n, alpha_bar)
-            latents = sample(guided, latents, scheduler, settings.steps, generators, callback)
+            latents = sample(guided, latents, scheduler, settings.steps, generators, callback,
+                             noise_shared=self.info.noise_shared)
             stats = self._cache_stats()
         finally:
             self._reset_caches(None)

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from clipmill.pipeline.choices import ALL_SAMPLERS
+from clipmill.pipeline.noise import per_clip
 
 
 def make_scheduler(base_config, sampler: str):
@@ -52,10 +53,14 @@ def sample(
     steps: int,
     generators: Sequence[torch.Generator] | None = None,
     callback: Callable[[int, int], None] | None = None,
+    noise_shared: float = 0.0,
 ) -> torch.Tensor:
     """Run ``steps`` denoising steps from ``latents`` (already scaled by ``init_noise_sigma``).
 
-    ``callback(step, total)`` is called after each step.
+    ``callback(step, total)`` is called after each step. ``noise_shared`` is the model's noise
+    prior (``pipeline.noise``): a sampler that re-noises its clean estimate between steps (LCM)
+    draws that noise with the same share common to all frames as the model was trained with; 0
+    leaves the scheduler's own independent noise.
     """
     scheduler.set_timesteps(steps, device=latents.device)
     timesteps = scheduler.timesteps
@@ -66,7 +71,13 @@ def sample(
         # 2. predict the noise (guidance, if any, is inside ``denoise``)
         noise_pred = denoise(model_input, t)
         # 3. step x_t -> x_{t-1}
-        latents = scheduler.step(noise_pred, t, latents, **extra).prev_sample
+        out = scheduler.step(noise_pred, t, latents, **extra)
+        latents = out.prev_sample
+        # 4. a consistency sampler re-noises its clean estimate for the next step: with the prior
+        if noise_shared and getattr(out, "denoised", None) is not None and i + 1 < len(timesteps):
+            a = scheduler.alphas_cumprod[int(timesteps[i + 1])].to(latents.device, latents.dtype)
+            fresh = per_clip(tuple(latents.shape), noise_shared, generators, latents.dtype, latents.device)
+            latents = a.sqrt() * out.denoised + (1 - a).sqrt() * fresh
         if callback is not None:
             callback(i + 1, len(timesteps))
     return latents

@@ -373,3 +373,51 @@ def test_grow_unet_adds_temporal_layers_that_start_as_the_identity(single_thread
         nets.grow_unet(new.state_dict(), small)  # layers are never dropped
     with pytest.raises(ValueError, match="has shape"):
         nets.grow_unet(old.state_dict(), replace(big, channels=(16, 32, 48)))
+
+
+@pytest.mark.slow
+def test_a_teacher_fine_tuned_with_the_noise_prior_carries_it_to_the_student_and_the_renderer(trained, tmp_path):
+    """The shipped teacher's path: trained on independent noise, then fine-tuned with the mixed
+    prior (``noise_shared`` after ``prior_from``) and distilled with it. The exported folders
+    declare the prior, so the renderer samples with it; a recipe with another prior refuses it."""
+    from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
+    from clipmill.pipeline.train.export import export_model
+    from clipmill.pipeline.train.recipe import seed_from_teacher
+
+    root, _, _ = trained
+    first = export_model(root, tmp_path / "first")
+    assert json.loads((first / "teacher" / "clipmill.json").read_text())["noise_shared"] == 0.0
+    prior = replace(TINY, teacher=replace(TINY.teacher, steps=TINY.teacher.steps + 2),
+                    denoiser=replace(TINY.denoiser, noise_shared=0.5, prior_from=TINY.teacher.steps))
+    again, lines = tmp_path / "prior", []
+    seed_from_teacher(first / "teacher", again, prior, lines.append)
+    run_all(again, prior, clean_caption, lines.append, ("teacher", "student"))
+    assert json.loads((again / "teacher" / "done").read_text())["noise_shared"] == 0.5
+    dest = export_model(again, tmp_path / "shipped")
+    for folder in (dest, dest / "teacher"):
+        assert json.loads((folder / "clipmill.json").read_text())["noise_shared"] == 0.5
+        assert models.model_info(str(folder)).noise_shared == 0.5
+    info = models.model_info(str(dest))
+    req = ClipRequest(key="a", prompt=clean_caption(shapes.caption(shapes.split_specs("train")[0])), seed=5, frames=8,
+                      width=64, height=64)
+    (res,) = Renderer(info).render([req], GroupSettings(tier="fast", sampler=info.scheduler))
+    assert res.frames.shape == (8, 64, 64, 3) and res.frames.std() > 0
+
+    # the student of a prior-trained teacher is distilled with that prior, not another
+    with pytest.raises(ValueError) as e:
+        seed_from_teacher(dest / "teacher", tmp_path / "other", TINY, lines.append)
+    assert str(e.value) == (f"--from-teacher {dest / 'teacher'}: it was trained with noise_shared=0.5 (its "
+                            "clipmill.json); the 'test' recipe distils it with noise_shared=0 (a model is sampled "
+                            "with the noise prior it was trained with)")
+
+
+def test_the_temporal_error_is_the_error_in_how_frames_change():
+    from clipmill.pipeline.train.stages import temporal_error
+
+    g = torch.Generator().manual_seed(0)
+    same = torch.randn((4, 4, 1, 8, 8), generator=g).expand(4, 4, 8, 8, 8)
+    w = torch.ones(4)
+    assert float(temporal_error(same, w)) == 0.0  # the same error in every frame: no change is wrong
+    iid = torch.randn((4, 4, 8, 16, 16), generator=g)
+    assert abs(float(temporal_error(iid, w)) - float((iid**2).mean())) < 0.03  # independent: its own size
+    assert float(temporal_error(iid, torch.tensor([2.0, 0, 0, 0]))) < float(temporal_error(iid, w))

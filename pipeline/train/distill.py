@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ...qc import adherence
+from .. import noise as video_noise
 from .. import shapes
 from ..choices import TIERS
 from ..sampler import make_scheduler, sample
@@ -113,19 +114,21 @@ def grid_timesteps(idx: torch.Tensor, lcm: LCMConfig) -> tuple[torch.Tensor, tor
 
 def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor,
                      acp: torch.Tensor, lcm: LCMConfig, idx: torch.Tensor | None = None,
-                     noise: torch.Tensor | None = None, cells: torch.Tensor | None = None) -> torch.Tensor:
+                     noise: torch.Tensor | None = None, cells: torch.Tensor | None = None,
+                     noise_shared: float = 0.0) -> torch.Tensor:
     """One LCM distillation loss on clean latents ``z0`` (B, C, T, h, w).
 
     ``cond`` (B, tokens, dim) and ``uncond`` (1, tokens, dim) are text states (not yet repeated
     per frame). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
     unless given (the probe gives fixed ones). ``cells`` (B, 1, T, h, w) weights the loss per
-    latent cell (``stages.shape_weight``), as in the teacher's loss.
+    latent cell (``stages.shape_weight``), as in the teacher's loss. ``noise_shared`` is the
+    teacher's noise prior (``pipeline.noise``), which the student inherits.
     """
     b, frames = len(z0), z0.shape[2]
     if idx is None:
         idx = torch.randint(0, lcm.solver_steps, (b,))
     if noise is None:
-        noise = torch.randn_like(z0)
+        noise = video_noise.like(z0, noise_shared)
     t, s = grid_timesteps(idx, lcm)
     a_t, a_s = _bcast(acp[t]), _bcast(acp[s])
     x_t = a_t.sqrt() * z0 + (1 - a_t).sqrt() * noise
@@ -181,25 +184,29 @@ def teacher_endpoints(teacher, probe: Probe, uncond: torch.Tensor, acp: torch.Te
 
 
 def sample_student(unet, scheduler_config, cond: torch.Tensor, steps: int, seeds: list[int],
-                   frames: int = shapes.FRAMES) -> torch.Tensor:
+                   frames: int = shapes.FRAMES, noise_shared: float = 0.0) -> torch.Tensor:
     """Scaled latents (B, C, T, h, w) sampled as the renderer samples an LCM model: the project's
-    sampler loop with sampler ``lcm``, guidance 1.0, one generator per clip."""
+    sampler loop with sampler ``lcm``, guidance 1.0, one generator per clip, the model's noise
+    prior ``noise_shared``."""
     scheduler = make_scheduler(scheduler_config, "lcm")
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     shape = (1, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE)
-    x = torch.cat([torch.randn(shape, generator=g) for g in gens]) * scheduler.init_noise_sigma
+    x = torch.cat([video_noise.video_noise(shape, noise_shared, g) for g in gens]) * scheduler.init_noise_sigma
     ehs = cond.repeat_interleave(frames, dim=0)
     with torch.no_grad():
-        return sample(lambda xi, t: unet(xi, t, encoder_hidden_states=ehs).sample, x, scheduler, steps, gens)
+        return sample(lambda xi, t: unet(xi, t, encoder_hidden_states=ehs).sample, x, scheduler, steps, gens,
+                      noise_shared=noise_shared)
 
 
-def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: int = 16, seed: int = 4242) -> dict:
+def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: int = 16, seed: int = 4242,
+                 noise_shared: float = 0.0) -> dict:
     """Adherence at both tiers' step counts on ``n`` train-split and ``n`` held-out prompts."""
     out: dict = {}
     for split in ("train", "heldout"):
         b = ShapesData(clean, seed, split).batch(n, render=False)  # type: ignore[arg-type]
         for steps in TIER_STEPS:
-            z = sample_student(unet, scheduler_config, text(b.captions), steps, [seed + i for i in range(n)])
+            z = sample_student(unet, scheduler_config, text(b.captions), steps, [seed + i for i in range(n)],
+                               noise_shared=noise_shared)
             adh = adherence.adherence([adherence.analyze(c) for c in decode_latents(vae, z)], b.specs)
             out[f"{split}@{steps}"] = {k: round(v, 3) for k, v in adh.items()}
     return out
@@ -242,7 +249,8 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     log(f"[{STAGE}] LCM distillation of the teacher ({nets.count(student) / 1e6:.2f} M params), batch {cfg.batch} "
         f"clips, {asdict(lcm)}")
     uncond = text([""])
-    probe = Probe.make(vae, text, clean, seed=cfg.seed + 77, t_max=lcm.solver_steps)  # t: grid indices
+    probe = Probe.make(vae, text, clean, seed=cfg.seed + 77, t_max=lcm.solver_steps,  # t: grid indices
+                       noise_shared=net.noise_shared)
     probe_x, probe_end = teacher_endpoints(teacher, probe, uncond, acp, lcm)
     probe_ehs = probe.cond.repeat_interleave(probe.z0.shape[2], dim=0)
     result = StageResult()
@@ -263,7 +271,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
         loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm,
-                                cells=shape_weight(mask, net.shape_gain))
+                                cells=shape_weight(mask, net.shape_gain), noise_shared=net.noise_shared)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -279,7 +287,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
             save_checkpoint(root / STAGE / "state.pt", parts, data, step)
         if cfg.eval_due(step):
             t0 = time.time()
-            res = eval_student(target, vae, text, scheduler.config, clean)
+            res = eval_student(target, vae, text, scheduler.config, clean, noise_shared=net.noise_shared)
             log(f"[{STAGE}] eval step {step} (target net, LCM {'/'.join(map(str, TIER_STEPS))} steps, guidance 1; "
                 f"{time.time() - t0:.0f}s): {json.dumps(res)}")
     export_pipeline(root / STAGE / "pipeline", target, vae, te, tok, scheduler)

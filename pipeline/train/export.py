@@ -63,6 +63,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
         recipe = ckpt_dir / "recipe.json"
         recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
         guidance = (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance)
+        prior = float((recipe_d.get("denoiser") or {}).get("noise_shared", 0.0))  # the student distils with it
         meta = {
             "model": SHAPES,
             "shapes_version": SHAPES_VERSION,
@@ -74,6 +75,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             "world": "shapes",  # its prompts can be checked by qc.adherence
             "teacher": TEACHER,  # the undistilled teacher, sampled by DDIM at the guidance baked into the student
             "teacher_guidance": guidance,
+            "noise_shared": prior,  # the noise prior it was trained with and must be sampled with (pipeline.noise)
             "tiers": {name: tier.steps for name, tier in TIERS.items()},
             "distillation": "LCM consistency distillation on a 50-step DDIM grid; one student for both tiers",
             "training": {"recipe": recipe_d or None, "stages": stages},
@@ -82,6 +84,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
         teacher_meta = {k: meta[k] for k in ("shapes_version", "native_fps", "default_size", "default_frames",
                                              "max_frames", "world")}
         teacher_meta.update(model=f"{SHAPES}/{TEACHER}", guidance_distilled=False, guidance=guidance,
+                            noise_shared=float((stages["teacher"] or {}).get("noise_shared", 0.0)),
                             training={"recipe": recipe_d or None,
                                       "stages": {k: stages[k] for k in ("vae", "text", "teacher")}})
         (tmp / TEACHER / "clipmill.json").write_text(json.dumps(teacher_meta, indent=1, ensure_ascii=False))
@@ -137,11 +140,15 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
             # EMA, which lags the training by about 1 / (1 - decay) steps
             (tmp / RESUME).mkdir()
             save_file({k: v.half().contiguous() for k, v in state["model"].items()}, tmp / RESUME / "unet.safetensors")
-            info = {"step": state["step"], "unet": state["unet"], "params": nets.count(unet), "finished": False}
+            den = recipe_d.get("denoiser") or {}
+            prior = float(den.get("noise_shared", 0.0)) if state["step"] > int(den.get("prior_from", 0)) else 0.0
+            info = {"step": state["step"], "unet": state["unet"], "params": nets.count(unet), "finished": False,
+                    "noise_shared": prior}
         meta = {"model": f"{SHAPES}/{TEACHER}", "shapes_version": SHAPES_VERSION, "native_fps": shapes.FPS,
                 "default_size": [shapes.SIZE, shapes.SIZE], "default_frames": shapes.FRAMES, "max_frames": MAX_FRAMES,
                 "world": "shapes", "guidance_distilled": False,
                 "guidance": (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance),
+                "noise_shared": float(info.get("noise_shared", 0.0)),
                 "training": {"recipe": recipe_d or None, "stages": {**stages, "teacher": info}}}
         (tmp / "clipmill.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
         AnimateDiffPipeline.from_pretrained(tmp, dtype=torch.float32)  # it loads as the renderer loads it

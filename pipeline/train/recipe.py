@@ -176,6 +176,12 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if diff and not grow:
         raise ValueError(f"--from-teacher {folder}: its UNet has " + ", ".join(f"{k}={pipe.unet.config.get(k)}" for k in diff)
                          + f"; the {recipe.name!r} recipe's has " + ", ".join(f"{k}={want.get(k)}" for k in diff))
+    prior, step = float(meta.get("noise_shared", 0.0)), int(teacher.get("step") or 0)
+    wants = recipe.denoiser.shared_at(step) if resumable else recipe.denoiser.noise_shared
+    if prior != wants:
+        raise ValueError(f"--from-teacher {folder}: it was trained with noise_shared={prior:g} (its clipmill.json); the "
+                         f"{recipe.name!r} recipe {'resumes it' if resumable else 'distils it'} with noise_shared={wants:g}"
+                         " (a model is sampled with the noise prior it was trained with)")
     if pipe.scheduler.config.prediction_type != "v_prediction":
         raise ValueError(f"--from-teacher {folder}: prediction_type={pipe.scheduler.config.prediction_type!r}; "
                          "the distillation reads v-predictions ('v_prediction')")

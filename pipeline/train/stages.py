@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ...qc import adherence
+from .. import noise as video_noise
 from .. import shapes
 from . import nets
 from .data import Clean, LatentPool, PoolData, ShapesData, file_digest, labels_of, latent_mask
@@ -384,12 +385,14 @@ def decode_latents(vae, z: torch.Tensor) -> np.ndarray:
 
 
 def sample(unet, scheduler, cond: torch.Tensor, uncond: torch.Tensor, steps: int, guidance: float,
-           generator: torch.Generator, frames: int = shapes.FRAMES) -> torch.Tensor:
-    """DDIM (the schedule's own spacing) with classifier-free guidance; returns scaled latents."""
+           generator: torch.Generator, frames: int = shapes.FRAMES, noise_shared: float = 0.0) -> torch.Tensor:
+    """DDIM (the schedule's own spacing) with classifier-free guidance, from noise with the
+    model's prior (``noise_shared``, ``pipeline.noise``); returns scaled latents."""
     b = len(cond)
     sched = copy.deepcopy(scheduler)
     sched.set_timesteps(steps)
-    x = torch.randn((b, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE), generator=generator)
+    x = video_noise.video_noise((b, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE), noise_shared,
+                                generator)
     x = x * sched.init_noise_sigma
     ehs = torch.cat([cond, uncond.expand(b, -1, -1)]).repeat_interleave(frames, dim=0)
     with torch.no_grad():
@@ -402,14 +405,14 @@ def sample(unet, scheduler, cond: torch.Tensor, uncond: torch.Tensor, steps: int
 
 
 def eval_teacher(unet, vae, text: TextCache, scheduler, clean: Clean, n: int = 16, steps: int = 25,
-                 guidance: float = 3.0, seed: int = 4242) -> dict:
+                 guidance: float = 3.0, seed: int = 4242, noise_shared: float = 0.0) -> dict:
     """Adherence of sampled clips on ``n`` train-split and ``n`` held-out prompts (fixed seeds)."""
     out = {}
     for split in ("train", "heldout"):
         data = ShapesData(clean, seed, split)  # type: ignore[arg-type]
         b = data.batch(n, render=False)
         g = torch.Generator().manual_seed(seed)
-        z = sample(unet, scheduler, text(b.captions), text([""]), steps, guidance, g)
+        z = sample(unet, scheduler, text(b.captions), text([""]), steps, guidance, g, noise_shared=noise_shared)
         clips = decode_latents(vae, z)
         adh = adherence.adherence([adherence.analyze(c) for c in clips], b.specs)
         out[split] = {k: round(v, 3) for k, v in adh.items()}
@@ -428,12 +431,14 @@ class Probe:
     noise: torch.Tensor
 
     @classmethod
-    def make(cls, vae, text: TextCache, clean: Clean, n: int = 4, seed: int = 77, t_max: int = 1000) -> Probe:
+    def make(cls, vae, text: TextCache, clean: Clean, n: int = 4, seed: int = 77, t_max: int = 1000,
+             noise_shared: float = 0.0) -> Probe:
         b = ShapesData(clean, seed, "train").batch(n)
         z0 = encode_latents(vae, b.frames)
         g = torch.Generator().manual_seed(seed)
         t = ((torch.arange(n) + 0.5) * t_max / n).long()
-        return cls(z0, latent_mask(b.alpha, z0.shape[-1]).float(), text(b.captions), t, torch.randn(z0.shape, generator=g))
+        return cls(z0, latent_mask(b.alpha, z0.shape[-1]).float(), text(b.captions), t,
+                   video_noise.video_noise(tuple(z0.shape), noise_shared, g))
 
 
 def shape_weight(mask: torch.Tensor, gain: float) -> torch.Tensor:
@@ -466,9 +471,11 @@ def timestep_weight(snr: torch.Tensor, min_snr: float, weighting: str = "min_snr
 
 
 def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, scheduler,
-                 min_snr: float, cells: torch.Tensor | None = None, weighting: str = "min_snr") -> torch.Tensor:
+                 min_snr: float, cells: torch.Tensor | None = None, weighting: str = "min_snr",
+                 temporal: float = 0.0) -> torch.Tensor:
     """The teacher's loss: v-prediction MSE weighted per timestep (:func:`timestep_weight`) and per
-    cell (``cells``, :func:`shape_weight`) when given."""
+    cell (``cells``, :func:`shape_weight`) when given, plus ``temporal`` times the same MSE of the
+    error's frame-to-frame differences (:func:`temporal_error`), unweighted by cell."""
     acp = scheduler.alphas_cumprod
     zt = scheduler.add_noise(z0, noise, t)
     target = scheduler.get_velocity(z0, noise, t)
@@ -477,7 +484,22 @@ def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, no
     if cells is not None:
         weight = weight * cells
     pred = unet(zt, t, encoder_hidden_states=cond.repeat_interleave(z0.shape[2], dim=0)).sample
-    return (weight * (pred - target) ** 2).mean()
+    err = pred - target
+    loss = (weight * err**2).mean()
+    if temporal:
+        loss = loss + temporal * temporal_error(err, timestep_weight(snr, min_snr, weighting))
+    return loss
+
+
+def temporal_error(err: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The mean square of an error's frame-to-frame differences (B, C, T, h, w), weighted per clip.
+
+    The v error is the clean-latent error times a per-clip constant, so this is the error in
+    how each frame changes into the next: a background redrawn a little differently every frame
+    (boiling) or a shape off its path costs here, however small each frame's own error is. Half of
+    it, as the difference of two frames' errors has twice their variance when they are independent."""
+    d = err[:, :, 1:] - err[:, :, :-1]
+    return 0.5 * (weight.view(-1, 1, 1, 1, 1) * d**2).mean()
 
 
 def export_pipeline(dest: Path, unet, vae, text_encoder, tokenizer, scheduler) -> None:
@@ -506,6 +528,13 @@ class DenoiserConfig:
       at chance: the shape is 3-9% of the pixels (about twice that of the latent cells, which
       count when its edge touches them), so its trajectory was a small part of the loss.
     - ``min_snr`` and ``weighting``: the loss's weight per timestep (:func:`timestep_weight`).
+    - ``noise_shared``: the share of the training noise's variance common to all frames of a clip
+      (``pipeline.noise``, PYoCo's mixed prior); the model must be sampled with the same prior, so
+      it is exported into the model's ``clipmill.json``. 0: independent noise per frame.
+    - ``prior_from``: the teacher step after which its training noise has the prior (a teacher
+      trained on independent noise first and then fine-tuned with the prior; 0: from the start).
+      The student always distils with ``noise_shared``.
+    - ``temporal``: the weight of the frame-to-frame error term (:func:`temporal_error`).
     """
 
     unet: nets.UNetSpec = nets.TEACHER
@@ -517,6 +546,9 @@ class DenoiserConfig:
     timesteps: str = "uniform"
     warmup: int = 200
     shape_gain: float = 8.0
+    noise_shared: float = 0.0
+    prior_from: int = 0
+    temporal: float = 0.0
 
     def __post_init__(self):
         if self.timesteps not in ("uniform", "logit_normal"):
@@ -525,6 +557,14 @@ class DenoiserConfig:
             raise ValueError(f"DenoiserConfig.weighting={self.weighting!r}; allowed: {', '.join(WEIGHTINGS)}")
         if self.pool_clips < 1:
             raise ValueError(f"DenoiserConfig.pool_clips={self.pool_clips}: must be at least 1")
+        video_noise.check_shared(self.noise_shared)
+        if self.temporal < 0 or self.prior_from < 0:
+            raise ValueError(f"DenoiserConfig temporal={self.temporal}, prior_from={self.prior_from}: must be >= 0")
+
+    def shared_at(self, step: int) -> float:
+        """The noise prior the teacher trains with at ``step`` (1-based): ``noise_shared`` after
+        ``prior_from``, independent noise before."""
+        return self.noise_shared if step > self.prior_from else 0.0
 
     def sample_timesteps(self, n: int, num_train_timesteps: int = 1000) -> torch.Tensor:
         """``n`` training timesteps, drawn from torch's global generator."""
@@ -574,7 +614,7 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
         f"{len(pool)}, latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}, "
         f"{net.timesteps} timesteps weighted {net.weighting} {net.min_snr:g}, lr {cfg.lr}, shape cells weighted "
         f"{1 + net.shape_gain:g}x")
-    probe = Probe.make(vae, text, clean, seed=cfg.seed + 77)
+    probe = Probe.make(vae, text, clean, seed=cfg.seed + 77, noise_shared=net.shared_at(step + 1))
     result = StageResult()
 
     def run_probe() -> None:  # always min-SNR weighted, so that runs of either weighting compare
@@ -592,12 +632,12 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
         z0, mask, captions, _ = data.latents(cfg.batch)
         caps = [("" if data.rng.random() < net.cfg_drop else c) for c in captions]
         cond = text(caps)
-        noise = torch.randn_like(z0)
+        noise = video_noise.like(z0, net.shared_at(step))
         t = net.sample_timesteps(len(z0), scheduler.config.num_train_timesteps)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / net.warmup)
         loss = teacher_loss(unet, z0, cond, t, noise, scheduler, net.min_snr, shape_weight(mask, net.shape_gain),
-                            net.weighting)
+                            net.weighting, net.temporal)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
@@ -614,11 +654,12 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
             save_checkpoint(root / stage / "state.pt", parts, data, step, unet=net.unet.as_dict())
         if cfg.eval_due(step):
             t0 = time.time()
-            res = eval_teacher(ema, vae, text, scheduler, clean)
+            res = eval_teacher(ema, vae, text, scheduler, clean, noise_shared=net.shared_at(step))
             log(f"[{stage}] eval step {step} (EMA, DDIM 25, cfg 3; {time.time() - t0:.0f}s): {json.dumps(res)}")
             export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
     export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
-    _mark_done(root, stage, {"step": step, "unet": net.unet.as_dict(), "params": nets.count(ema)})
+    _mark_done(root, stage, {"step": step, "unet": net.unet.as_dict(), "params": nets.count(ema),
+                             "noise_shared": net.shared_at(step)})
     log(f"[{stage}] saved {root / stage / 'pipeline'}")
     return result
 
