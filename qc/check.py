@@ -176,6 +176,21 @@ def _cmp(value: float, op: str, limit: float, digits: int, **kw) -> str:
     return f"{v} {op} {lim}"
 
 
+def spike_mask(s: Series, cfg: QCConfig, flat_frames: np.ndarray | None = None) -> np.ndarray:
+    """Pairs (frame i, i+1) whose motion-compensated residual spikes above the clip's median (or
+    whose compensated SSIM falls below ``min_pair_ssim``): a cut where one pair stands alone,
+    garbage frames where they run on. Pairs touching a black or flat frame (``flat_frames``) are
+    left out, as already explained, and a clip bad in most pairs has no spikes (it is unstable
+    or boiling throughout, not cut)."""
+    med = float(np.median(s.residual))
+    spike = (s.residual > max(cfg.spike_min, cfg.spike_factor * med)) | (s.ssim < cfg.min_pair_ssim)
+    if flat_frames is not None:
+        spike &= ~(flat_frames[:-1] | flat_frames[1:])
+    if spike.mean() > 0.5:
+        spike[:] = False
+    return spike
+
+
 def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     reasons: list[str] = []
     n = len(s.luma)
@@ -208,12 +223,7 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
 
     # 2. residual spikes: garbage frames (bad on both sides) or a cut (one bad pair)
     med = float(np.median(s.residual))
-    spike = (s.residual > max(cfg.spike_min, cfg.spike_factor * med)) | (s.ssim < cfg.min_pair_ssim)
-    # pairs that touch a black or flat frame are already explained; a clip bad almost
-    # throughout is not a clip with bad frames (boiling, unstable: see 7)
-    spike &= ~(flat_frames[:-1] | flat_frames[1:])
-    if spike.mean() > 0.5:
-        spike[:] = False
+    spike = spike_mask(s, cfg, flat_frames)
     pooled = pool2(s.cells)
     concentrated = pooled.reshape(len(pooled), -1).max(axis=1) > cfg.block_concentration * (s.residual + 1.0)
     limit = max(cfg.spike_min, cfg.spike_factor * med)

@@ -1,0 +1,1 @@
+"""Finished ads: templates (``template``), rows checked against them (``rows``)."""

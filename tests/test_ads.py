@@ -1,0 +1,332 @@
+"""Finished ads (issue 12), the library half: templates and their errors, rows checked against a
+template before anything renders, and one format of an ad assembled from footage (timeline,
+texts, logo, end card, music, delivery settings) into a real H.264 + AAC file, checked by the
+ad-level QC and by independent measurements here."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from clipmill.jobs.ads import build, rows, template
+from clipmill.pipeline import assemble, audio, shapes
+from clipmill.pipeline.models import model_info
+from clipmill.pipeline.overlay import missing_glyphs
+from clipmill.qc import ad as ad_qc
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "ad" / "local-life.toml"
+CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
+LATIN_FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+
+needs_cjk = pytest.mark.skipif(not CJK_FONT.exists(), reason=f"the Chinese font {CJK_FONT} is not installed "
+                               "(Debian: fonts-wqy-microhei; .ci/run installs it)")
+
+
+def _count(text: str) -> int:  # the shapes model's byte-level tokenizer: one token a UTF-8 byte, plus 2
+    return len(text.encode()) + 2
+
+
+@pytest.fixture(scope="module")
+def info():
+    return model_info("shapes")
+
+
+def _write(tmp_path: Path, body: str, name: str = "t.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(body), encoding="utf-8")
+    return p
+
+
+MINIMAL = """
+    fps = 30
+    [[formats]]
+    name = "sq"
+    size = [256, 256]
+    method = "crop"
+    [[shots]]
+    prompt = "a {colour} circle moves right on a black background, static shot"
+    seconds = 1.0
+"""
+
+
+# -- templates ----------------------------------------------------------------------------------
+
+
+@needs_cjk
+def test_the_example_template_loads_with_its_formats_shots_and_placeholders():
+    tpl = template.load(EXAMPLE)
+    assert [(f.name, f.width, f.height, f.method, f.aspect) for f in tpl.formats] == [
+        ("9x16", 720, 1280, "render", "9:16"), ("1x1", 720, 720, "crop", "1:1"), ("16x9", 1280, 720, "pad", "16:9")]
+    assert tpl.formats[0].delivery.max_bytes == 8_000_000 and tpl.formats[0].delivery.max_kbps == 6000
+    assert tpl.formats[2].delivery.over_size == "refuse"
+    assert [s.transition for s in tpl.shots] == ["cut", "crossfade", "cut"]
+    assert tpl.footage_seconds == 7.0 and tpl.seconds == 9.0  # 3 x 2.5 s less a 0.5 s crossfade, + 2 s end card
+    assert tpl.placeholders() == ["colour", "shape", "merchant", "price", "cta"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("", "formats is missing; give at least one [[formats]] table with a size"),
+    ("[[formats]]\nsize = [721, 1280]\n", "formats[0].size = [721, 1280]: allowed: [width, height], even integers from 64 to 3840"),
+    ("[[formats]]\nsize = [720, 720]\nmethod = 'stretch'\n", "formats[0].method = 'stretch': allowed: render, crop, pad"),
+    ("[[formats]]\nsize = [720, 720]\n[formats.delivery]\nlevel = '6.2'\n",
+     "formats[0].delivery.level = '6.2': allowed: 3.0, 3.1, 3.2, 4.0, 4.1, 4.2, 5.0, 5.1"),
+    ("[[formats]]\nsize = [720, 720]\n[formats.delivery]\nmax_size = 'huge'\n",
+     "formats[0].delivery.max_size = 'huge': give a size such as '8MB', '500kB' or a number of bytes"),
+    ("[[formats]]\nsize = [720, 720]\n", "shots is missing; give at least one [[shots]] table with a prompt and seconds"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\n", "shots[0].seconds is missing; give a number from 0.25 to 30"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\ntransition = 'crossfade'\n",
+     "shots[0].transition = 'crossfade': the first shot has no shot before it to fade from; use 'cut'"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x {a b}'\nseconds = 2\n",
+     "shots[0].prompt = 'x {a b}': placeholder {a b} must be a plain column name like {merchant}"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[[texts]]\ntext = 'hi'\nfont = 'f.ttf'\nanchor = 'middle'\n",
+     "texts[0].anchor = 'middle': allowed: top-left, top, top-right, left, center, right, bottom-left, bottom, bottom-right"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[[texts]]\ntext = 'hi'\nfont = 'f.ttf'\ncolour = 'red'\n",
+     "texts[0].colour = 'red': give a colour as #RRGGBB, for example #ffcc00"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[[texts]]\ntext = 'hi'\nfont = 'f.ttf'\nstart = 1.5\nend = 1.0\n",
+     "texts[0].end = 1.0: must be after start (1.5 s), at most 2 s"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[music]\nfile = 'm.wav'\nvolume = 3\n",
+     "music.volume = 3: allowed: a number from 0 to 2"),
+    ("[[formats]]\nsize = [720, 720]\nshape = 'round'\n", "formats[0].shape: unknown setting; allowed: name, size, method, pad_colour, delivery"),
+    ("fps = 120\n[[formats]]\nsize = [720, 720]\n", "fps = 120: allowed: an integer from 8 to 60"),
+])
+def test_a_bad_template_is_refused_naming_the_file_field_value_and_what_is_allowed(tmp_path, body, message):
+    p = _write(tmp_path, body)
+    with pytest.raises(template.TemplateError) as e:
+        template.load(p)
+    assert str(e.value) == f"{p}: {message}"
+
+
+def test_a_template_that_is_not_toml_or_not_there_is_named(tmp_path):
+    with pytest.raises(template.TemplateError, match=r"^--ad .*nope.toml: no such file$"):
+        template.load(tmp_path / "nope.toml")
+    p = _write(tmp_path, "fps = = 3\n")
+    with pytest.raises(template.TemplateError, match=r"^--ad .*t.toml: not valid TOML \("):
+        template.load(p)
+
+
+# -- rows ---------------------------------------------------------------------------------------
+
+
+@needs_cjk
+def test_every_row_of_the_example_becomes_an_ad_with_its_shots(info):
+    tpl = template.load(EXAMPLE)
+    batch = rows.read_ads(ROOT / "examples" / "ad" / "ads.csv", tpl, info, _count)
+    assert batch.ok and batch.warnings == [] and len(batch.ads) == 3
+    ad = batch.ads[0]
+    assert ad.client_id == "laowang-noodles" and ad.texts["merchant"] == "老王面馆"
+    assert [s.row.prompt for s in ad.shots] == [
+        "a red circle moves right on a beige background, pan right",
+        "a red circle stays still on a grey background, zoom in",
+        "a red circle moves up on a black background, static shot"]
+    assert [s.row.tier for s in ad.shots] == ["quality", "fast", "fast"]
+    assert all(s.row.frames == 20 and s.row.fps == 30 for s in ad.shots)  # 2.5 s at the model's 8 fps
+    assert len({s.row.seed for s in ad.shots}) == 3
+    assert ad.shots[0].sizes == {"9x16": (64, 112), "1x1": (64, 64), "16x9": (64, 64)}
+    again = rows.read_ads(ROOT / "examples" / "ad" / "ads.csv", tpl, info, _count)
+    assert [s.row.seed for s in again.ads[0].shots] == [s.row.seed for s in ad.shots]  # the same file, the same ads
+
+
+@needs_cjk
+def test_bad_rows_are_refused_before_any_render_each_naming_its_line_and_field(tmp_path, info):
+    folder = tmp_path / "ad"
+    shutil.copytree(ROOT / "examples" / "ad", folder)
+    tpl_path = folder / "local-life.toml"
+    text = tpl_path.read_text().replace('file = "logo.png"', 'file = "logos/{id}.png"')
+    tpl_path.write_text(text)
+    (folder / "logos").mkdir()
+    for i in ("a", "b", "c", "e"):
+        shutil.copy(folder / "logo.png", folder / "logos" / f"{i}.png")
+    csv = folder / "bad.csv"
+    csv.write_text(
+        "id,merchant,price,cta,colour,shape\n"
+        "a,老王面馆,¥ 29.9,立即下单,red,circle\n"                          # good
+        "b,,¥ 29.9,Order now,red,circle\n"                                 # empty merchant
+        "c," + "Extraordinarily Long Merchant Name Noodle House" * 3 + ",¥ 1,Go,red,circle\n"  # does not fit
+        "d,Golden Lotus,$ 8,Order now,red,circle\n"                         # no logo file for d
+        "e,Golden Lotus,$ 8,Order now,green,circle\n",                      # good
+        encoding="utf-8")
+    tpl = template.load(tpl_path)
+    batch = rows.read_ads(csv, tpl, info, _count)
+    msgs = [str(p) for p in batch.errors]
+    assert [a.line for a in batch.ads] == [2, 6]
+    assert msgs[0] == (f"{csv}:3: merchant: '' is missing or empty; the template local-life.toml fills {{merchant}} from it "
+                       "(its placeholders: colour, shape, merchant, price, cta, id)")
+    assert msgs[1].startswith(f"{csv}:4: text merchant: 'Extraordinarily Long Merchant Name Noodle House")
+    assert msgs[1].endswith("does not fit its box in format 9x16 (720x1280) even at its min_size 0.035 (45 px); shorten "
+                            "it, or lower min_size or the margins in the template")
+    assert msgs[2].startswith(f"{csv}:4: text end_merchant:")  # each text of the row is checked
+    assert msgs[3] == f"{csv}:5: logo: {str(folder / 'logos' / 'd.png')!r} no such file ({folder / 'logos' / 'd.png'})"
+    assert len(msgs) == 4
+
+
+@needs_cjk
+def test_characters_the_font_has_no_glyph_for_are_named(tmp_path, info):
+    p = _write(tmp_path, MINIMAL + f"""
+    [[texts]]
+    name = "merchant"
+    text = "{{merchant}}"
+    font = "{LATIN_FONT}"
+    """)
+    csv = tmp_path / "ads.csv"
+    csv.write_text("merchant,colour\nCafé 老王,red\nCafé Lao,blue\n", encoding="utf-8")
+    batch = rows.read_ads(csv, template.load(p), info, _count)
+    assert [str(e) for e in batch.errors] == [
+        f"{csv}:2: text merchant: 'Café 老王' has characters its font DejaVuSans.ttf has no glyph for: '老' (U+8001), "
+        "'王' (U+738B); pick a font that covers them (for Chinese, for example WenQuanYi Micro Hei)"]
+    assert len(batch.ads) == 1 and missing_glyphs(CJK_FONT, "Café 老王") == []
+
+
+def test_a_missing_column_and_a_missing_font_are_row_errors(tmp_path, info):
+    p = _write(tmp_path, MINIMAL + """
+    [[texts]]
+    name = "price"
+    text = "{price}"
+    font = "fonts/none.ttf"
+    """)
+    csv = tmp_path / "ads.csv"
+    csv.write_text("colour\nred\n", encoding="utf-8")
+    batch = rows.read_ads(csv, template.load(p), info, _count)
+    assert [str(e) for e in batch.errors] == [
+        f"{csv}:2: price: '' is missing or empty; the template t.toml fills {{price}} from it (its placeholders: colour, price)"]
+    csv.write_text("colour,price\nred,9\n", encoding="utf-8")
+    batch = rows.read_ads(csv, template.load(p), info, _count)
+    font = tmp_path / "fonts" / "none.ttf"
+    assert [str(e) for e in batch.errors] == [f"{csv}:2: font of text price: {str(font)!r} no such file ({font})"]
+
+
+# -- assembly -----------------------------------------------------------------------------------
+
+
+def _footage(ad: rows.AdRow, fmt: template.Format, fps: int) -> dict[int, np.ndarray]:
+    """Each shot's frames from the shapes world's own generator at the format's render size,
+    held to the ad's fps (a stand-in for rendered, interpolated footage)."""
+    out = {}
+    for s in ad.shots:
+        clip = shapes.render(shapes.parse(s.row.prompt), s.row.seed)
+        w, h = s.sizes[fmt.name]
+        fr = np.stack([cv2.resize(f, (w, h), interpolation=cv2.INTER_CUBIC) for f in clip.frames])
+        idx = np.minimum((np.arange(round(s.seconds * fps)) * shapes.FPS / fps).astype(int), len(fr) - 1)
+        out[s.index] = fr[idx]
+    return out
+
+
+def _cuts_by_histogram(path: Path) -> list[int]:
+    """An independent cut detector: frames whose grey-level histogram differs from the frame
+    before by far more than is usual in the clip."""
+    from clipmill.pipeline.video import decode
+
+    frames, _ = decode(path)
+    hists = [cv2.calcHist([cv2.cvtColor(f, cv2.COLOR_RGB2GRAY)], [0], None, [32], [0, 256]).ravel() / f[..., 0].size
+             for f in frames]
+    d = np.array([0.5 * np.abs(a - b).sum() for a, b in zip(hists, hists[1:])])
+    return [int(i) + 1 for i in np.flatnonzero(d > max(0.25, 8 * np.median(d)))]
+
+
+@pytest.fixture(scope="module")
+def example_ad(info):
+    if not CJK_FONT.exists():
+        pytest.skip(f"the Chinese font {CJK_FONT} is not installed (Debian: fonts-wqy-microhei)")
+    tpl = template.load(EXAMPLE)
+    batch = rows.read_ads(ROOT / "examples" / "ad" / "ads.csv", tpl, info, _count)
+    return tpl, batch.ads[0]
+
+
+@pytest.mark.parametrize("fmt_name", ["9x16", "1x1", "16x9"])
+def test_an_ad_format_is_assembled_exactly_and_passes_ad_qc(example_ad, tmp_path, fmt_name):
+    tpl, ad = example_ad
+    fmt = next(f for f in tpl.formats if f.name == fmt_name)
+    footage = _footage(ad, fmt, tpl.fps)
+    out = build.make_format(tpl, ad, fmt, footage, tmp_path / f"{fmt_name}.mp4")
+    info = assemble.probe_av(out.path)
+    assert (info["width"], info["height"]) == (fmt.width, fmt.height)
+    assert abs(info["seconds"] - tpl.seconds) <= 1 / tpl.fps and info["frames"] == 270
+    assert info["audio"]["codec"] == "aac" and abs(info["audio"]["seconds"] - info["seconds"]) < 0.05
+    assert info["profile"].lower() == fmt.delivery.profile and info["bytes"] <= fmt.delivery.max_bytes
+    assert out.qc.verdict == "pass", out.qc.reasons
+    assert out.boundaries == [135, 210]  # the cut into shot 3 and into the end card (the crossfade is no cut)
+    found = _cuts_by_histogram(out.path)
+    assert set(found) <= {135, 210} and 135 in found, found  # the end card's blur of the last frame may be seamless
+    # the layers are there, at their times: the merchant's box differs from the footage under it
+    from clipmill.pipeline.video import decode
+
+    frames, _ = decode(out.path)
+    tl, _ = build.timeline(tpl, ad, fmt, footage)
+    bare = list(assemble.frames(assemble.Timeline(tl.shots, tl.fps, tl.end_card, []), (fmt.width, fmt.height),
+                                fmt.method, fmt.pad_colour))
+    for lay in tl.layers:
+        h, w = lay.rgba.shape[:2]
+        inside = round((lay.start + lay.end) / 2 * tpl.fps)
+        outside = round(lay.end * tpl.fps) + 3
+        region = (slice(lay.y, lay.y + h), slice(lay.x, lay.x + w))
+        on = np.abs(frames[inside][region].astype(int) - bare[inside][region]).mean()
+        assert on > 20, (lay.name, on)
+        def overlaps(o):  # another layer shown over this one's box at that time
+            oh, ow = o.rgba.shape[:2]
+            return (o is not lay and o.opacity(outside / tpl.fps) > 0 and o.x < lay.x + w and lay.x < o.x + ow
+                    and o.y < lay.y + h and lay.y < o.y + oh)
+
+        if outside < len(frames) and not any(overlaps(o) for o in tl.layers):
+            off = np.abs(frames[outside][region].astype(int) - bare[outside][region]).mean()
+            assert off < 6, (lay.name, off)
+
+
+def test_a_text_as_light_as_the_footage_under_it_is_illegible_unless_outlined():
+    light = np.full((500, 3), 235, np.uint8)
+    plain = ad_qc.TextCheck("cta", (0, 0, 10, 10), (255, 255, 255), None, light)
+    ratio, why = ad_qc.legibility(plain)
+    assert ratio < 1.2 and why == (f"text 'cta': contrast {ratio:.2f}:1 against the footage under it < 4.5:1 (WCAG), "
+                                   "and it has no outline or shadow")
+    outlined = ad_qc.TextCheck("cta", (0, 0, 10, 10), (255, 255, 255), (0, 0, 0), light)
+    assert ad_qc.legibility(outlined)[1] is None
+    dark = ad_qc.TextCheck("cta", (0, 0, 10, 10), (255, 255, 255), None, np.full((500, 3), 30, np.uint8))
+    assert ad_qc.legibility(dark)[0] > 12 and ad_qc.legibility(dark)[1] is None
+    # a textured background is read at its worst part, not its mean
+    mixed = np.concatenate([np.full((400, 3), 20, np.uint8), np.full((100, 3), 250, np.uint8)])
+    assert ad_qc.legibility(ad_qc.TextCheck("t", (0, 0, 1, 1), (255, 255, 255), None, mixed))[1] is not None
+
+
+def test_a_box_outside_the_safe_area_and_a_cut_off_a_boundary_are_reasons():
+    assert ad_qc.inside("logo", (5, 5, 50, 50), (36, 64, 648, 1152)) == (
+        "logo: box x 5-55, y 5-55 is outside the safe area x 36-684, y 64-1216")
+    assert ad_qc.inside("logo", (40, 70, 50, 50), (36, 64, 648, 1152)) is None
+    assert ad_qc.cut_reasons([135, 200], [135, 210], 30) == [
+        "cut: at frame 200 (6.67 s), not at a shot boundary (the template cuts at frames 135, 210)"]
+    assert ad_qc.duration_reason(269, 30, 9.0) is None and ad_qc.duration_reason(267, 30, 9.0) == (
+        "duration: 8.900 s (267 frames at 30 fps), the template's is 9.000 s (one frame: 0.033 s)")
+
+
+def test_audio_is_fitted_to_the_exact_length_and_silence_and_clipping_are_caught():
+    music = audio.tone(2.0)
+    long = audio.fit(music, 5.0, volume=0.5, fade_out=1.0)
+    assert long.shape == (2, 5 * audio.RATE) and abs(long[:, -1]).max() < 1e-3  # looped, faded to nothing
+    assert np.allclose(long[:, audio.RATE:audio.RATE + 100], 0.5 * music[:, audio.RATE:audio.RATE + 100])
+    assert audio.fit(music, 1.0).shape == (2, audio.RATE)  # trimmed
+    assert ad_qc.audio_reasons(long, audio.RATE, 5.0, 30) == []
+    assert ad_qc.audio_reasons(np.zeros((2, 5 * audio.RATE), np.float32), audio.RATE, 5.0, 30) == [
+        "audio: silent (RMS -200.0 dBFS < -50 dBFS)"]
+    loud = np.clip(music * 8, -1, 1)
+    assert ad_qc.audio_reasons(loud, audio.RATE, 2.0, 30)[0].startswith("audio: clipping (")
+    assert ad_qc.audio_reasons(long, audio.RATE, 4.0, 30) == ["audio: 5.000 s long, the video 4.000 s"]
+    assert ad_qc.audio_reasons(None, audio.RATE, 4.0, 30) == ["audio: no audio stream"]
+
+
+def test_a_file_over_its_max_size_is_encoded_again_to_fit_or_refused(tmp_path):
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (60, 240, 320, 3), dtype=np.uint8)  # noise: expensive to encode
+    music = audio.fit(audio.tone(2.0), 2.0)
+    cap = 150_000
+    made = assemble.encode(lambda: iter(frames), 60, 30, (320, 240), tmp_path / "fit.mp4",
+                           assemble.Delivery(crf=18, max_bytes=cap), music)
+    assert made["reencoded"] and made["bytes"] <= cap and (tmp_path / "fit.mp4").stat().st_size == made["bytes"]
+    with pytest.raises(assemble.DeliveryError) as e:
+        assemble.encode(lambda: iter(frames), 60, 30, (320, 240), tmp_path / "no.mp4",
+                        assemble.Delivery(crf=18, max_bytes=cap, over_size="refuse"), music)
+    assert str(e.value).startswith("no.mp4: ") and str(e.value).endswith(
+        f"bytes, over the format's max_size of {cap:,} bytes (over_size = 'refuse')")
+    assert not (tmp_path / "no.mp4").exists() and not list(tmp_path.glob(".no.mp4*"))  # nothing half-written
