@@ -33,6 +33,7 @@ from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
 from clipmill.pipeline.choices import COMPILERS, DECODERS, TIERS
 from clipmill.pipeline.compile import RESOLUTION_TIERS, compile_denoiser
 from clipmill.pipeline.sampler import make_scheduler, sample
+from clipmill.pipeline import long_shot
 from clipmill.pipeline.noise import video_noise
 from clipmill.pipeline.textkv import TextKVCache
 
@@ -212,7 +213,9 @@ class Renderer:
     def _render(self, requests: list[ClipRequest], settings: GroupSettings, callback) -> list[ClipResult]:
         first = requests[0]
         n = len(requests)
-        if msg := self.info.check_frames(first.frames) or self.info.check_size(first.width, first.height):
+        free = self.long_shot_windows(first.frames)
+        frames_msg = None if free else self.info.check_frames(first.frames)
+        if msg := frames_msg or self.info.check_size(first.width, first.height):
             raise ValueError(f"render(): {first.frames} frames at {first.width}x{first.height}: {msg}")
         mode = effective_mode(settings.guidance_mode, settings.guidance)
         if self.info.guidance_distilled and settings.guidance > OVEREXPOSE_LIMIT and settings.step_count is None:
@@ -229,13 +232,18 @@ class Renderer:
         scheduler = make_scheduler(self.pipe.scheduler.config, settings.sampler)
         generators = [torch.Generator("cpu").manual_seed(int(r.seed)) for r in requests]
         shape = self.latent_shape(first)
-        # with the model's noise prior: a share common to all frames (0 for most models: plain randn)
-        latents = torch.cat([video_noise(shape, self.info.noise_shared, g) for g in generators])
+        # with the model's noise prior: a share common to all frames (0 for most models: plain randn);
+        # a long shot's later frames start from its first windows' noise, shuffled (FreeNoise)
+        noises = [video_noise(shape, self.info.noise_shared, g) for g in generators]
+        if free is not None:
+            noises = [long_shot.shuffle_context(x, free, g) for x, g in zip(noises, generators)]
+        latents = torch.cat(noises)
         latents = (latents * getattr(scheduler, "init_noise_sigma", 1.0)).to(self.device, self.dtype)
 
         # 3. denoise, with every cache reset before and after
         self.reset_stats()
         self._reset_caches(settings.tier)
+        windows = long_shot.apply(self.pipe.unet, free) if free is not None else None
         try:
             predict = self._predictor(cond, neg, first)
             alpha_bar = alpha_bar_fn(scheduler) if mode.startswith("rcfg") else None
@@ -244,6 +252,8 @@ class Renderer:
                              noise_shared=self.info.noise_shared)
             stats = self._cache_stats()
         finally:
+            if windows is not None:
+                windows.remove()
             self._reset_caches(None)
         t2 = time.perf_counter()
 
@@ -254,10 +264,20 @@ class Renderer:
         share = {"text_s": (t1 - t0) / n, "denoise_s": (t2 - t1) / n, "decode_s": (t3 - t2) / n}
         share["render_s"] = sum(share.values())
         stats.update(denoiser_rows=guided.rows / n, steps=settings.steps, guidance_mode=mode)
+        if free is not None:
+            stats.update(long_shot={"context_length": free.context_length, "context_stride": free.context_stride})
         return [
             ClipResult(key=r.key, frames=v, fps=self.info.native_fps, timings=dict(share, group_size=n), stats=stats)
             for r, v in zip(requests, videos)
         ]
+
+    def long_shot_windows(self, frames: int) -> long_shot.FreeNoiseConfig | None:
+        """FreeNoise windows for a long shot (``frames`` over what an AnimateDiff model takes at
+        once, up to ``long_shot.MAX_FRAMES``): windows of the model's own clip length. None for a
+        clip that fits one call (and for Wan, which renders its frames in one call)."""
+        if self.info.family != "animatediff" or frames <= self.info.max_frames or frames > long_shot.MAX_FRAMES:
+            return None
+        return long_shot.FreeNoiseConfig.for_model(self.info.default_frames)
 
     # -- per family ----------------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> torch.Tensor:
