@@ -36,6 +36,7 @@ class Built:
     reencoded: bool
     qc: ad_qc.AdQC
     boundaries: list[int]
+    poster: np.ndarray  # the frame a third of the way in, as delivered
     timings: dict = field(default_factory=dict)
 
 
@@ -115,6 +116,7 @@ def make_format(tpl: AdTemplate, ad: AdRow, fmt: Format, footage: dict[int, np.n
                 under[name].append(region[::3, ::3].reshape(-1, 3))
 
     passes = [0]
+    poster: list[np.ndarray] = []
 
     def source():  # the first pass also reads what QC needs; a second (to fit max_size) only encodes
         passes[0] += 1
@@ -123,6 +125,8 @@ def make_format(tpl: AdTemplate, ad: AdRow, fmt: Format, footage: dict[int, np.n
             return
         for frame in assemble.frames(tl, size, fmt.method, fmt.pad_colour, observe=observe):
             small.append(cv2.resize(frame, small_size, interpolation=cv2.INTER_AREA))
+            if len(small) == len(tl) // 3 + 1:
+                poster.append(frame.copy())
             yield frame
 
     t1 = time.perf_counter()
@@ -147,5 +151,5 @@ def make_format(tpl: AdTemplate, ad: AdRow, fmt: Format, footage: dict[int, np.n
         result.verdict = "reject"
     t3 = time.perf_counter()
     return Built(fmt.name, Path(dest), info["width"], info["height"], info["frames"], info["seconds"], made["bytes"],
-                 made["reencoded"], result, cut_at,
+                 made["reencoded"], result, cut_at, poster[0] if poster else small[0],
                  {"layers_s": t1 - t0, "encode_s": t2 - t1, "qc_s": t3 - t2})

@@ -14,6 +14,7 @@ what is allowed (as a prompt batch's rows are):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -132,28 +133,12 @@ def _check_file(path: Path, kind: str) -> str | None:
     return None
 
 
-def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: dict) -> tuple[AdRow | None, list[Problem]]:
-    """One row against its template: the ad, or its problems."""
+def layout(tpl: AdTemplate, values: dict[str, str], path: str = "", line: int = 0
+           ) -> tuple[dict[str, str], dict[str, str], dict[str, dict[str, int]], list[Problem]]:
+    """An ad's texts (filled), its files (resolved and checked) and the size each text is drawn
+    at in each format, with the problems found: what both the row check and the assembly need."""
     errs: list[Problem] = []
     P = lambda f, v, m: Problem(path, line, f, v, m)  # noqa: E731
-    values = {k: normalize(str(v)) for k, v in rec.items()}
-    for col in tpl.placeholders():
-        if not values.get(col, "").strip():
-            errs.append(P(col, rec.get(col, ""), f"is missing or empty; the template "
-                          f"{tpl.path.name} fills {{{col}}} from it (its placeholders: {', '.join(tpl.placeholders())})"))
-    client_id = None
-    if "id" in rec:
-        client_id = normalize(str(rec["id"]))
-        if not ID_RE.match(client_id):
-            errs.append(P("id", rec["id"], "is not a valid id; allowed: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"))
-    seed = None
-    if "seed" in rec:
-        seed = _int(rec["seed"])
-        if seed is None or not 0 <= seed <= MAX_SEED:
-            errs.append(P("seed", rec["seed"], f"is not a seed; allowed: an integer from 0 to {MAX_SEED}"))
-    if errs:
-        return None, errs
-
     files: dict[str, str] = {}
     # files first: a text cannot be checked against a font that is not there
     wanted = [(f"font:{t.name}", t.font, "font") for t in _all_texts(tpl)]
@@ -189,6 +174,34 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
                 break
             text_px[fmt.name][t.name] = px
 
+    return texts, files, text_px, errs
+
+
+def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: dict) -> tuple[AdRow | None, list[Problem]]:
+    """One row against its template: the ad, or its problems."""
+    errs: list[Problem] = []
+    P = lambda f, v, m: Problem(path, line, f, v, m)  # noqa: E731
+    values = {k: normalize(str(v)) for k, v in rec.items()}
+    for col in tpl.placeholders():
+        if not values.get(col, "").strip():
+            errs.append(P(col, rec.get(col, ""), f"is missing or empty; the template "
+                          f"{tpl.path.name} fills {{{col}}} from it (its placeholders: {', '.join(tpl.placeholders())})"))
+    client_id = None
+    if "id" in rec:
+        client_id = normalize(str(rec["id"]))
+        if not ID_RE.match(client_id):
+            errs.append(P("id", rec["id"], "is not a valid id; allowed: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"))
+    seed = None
+    if "seed" in rec:
+        seed = _int(rec["seed"])
+        if seed is None or not 0 <= seed <= MAX_SEED:
+            errs.append(P("seed", rec["seed"], f"is not a seed; allowed: an integer from 0 to {MAX_SEED}"))
+    if errs:
+        return None, errs
+
+    texts, files, text_px, layout_errs = layout(tpl, values, path, line)
+    errs += layout_errs
+
     base_seed = seed if seed is not None else derive_seed("\n".join(fill(s.prompt, values) for s in tpl.shots), line)
     sizes = render_sizes(tpl, checker.info)
     shots: list[Shot] = []
@@ -213,8 +226,9 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
 
 def _frames_for(seconds: float, info: ModelInfo) -> int:
     """A shot's frame count at the model's native rate: as many as ``seconds`` needs, at least
-    the model's minimum (a longer shot than the model renders at once is a long shot)."""
-    return max(info.min_frames, round(seconds * info.native_fps))
+    the model's minimum, and one more, so that frame-rate conversion to the ad's fps gives at
+    least the shot's frames (a longer shot than the model renders at once is a long shot)."""
+    return max(info.min_frames, math.ceil(seconds * info.native_fps - 1e-9) + 1)
 
 
 def read_ads(path: str | Path, tpl: AdTemplate, info: ModelInfo, count_tokens: TokenCounter) -> AdBatch:

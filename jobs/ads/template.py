@@ -19,6 +19,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clipmill.jobs.core.preflight import BadOption
 from clipmill.pipeline.assemble import METHODS, PROFILES, Delivery
 from clipmill.pipeline.choices import TIERS
 from clipmill.pipeline.overlay import ANCHORS, parse_colour
@@ -31,7 +32,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*$", re.I)
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([km]?)\s*$", re.I)
 
 
-class TemplateError(ValueError):
+class TemplateError(BadOption):
     """A template that cannot be used; the message names the file and the field."""
 
 

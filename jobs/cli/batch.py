@@ -44,6 +44,42 @@ def _submit(path: str, opts, farm: bool = False):
     return res
 
 
+def _submit_ads(path: str, ad_template: str, opts):
+    from clipmill.jobs.ads.submit import submit_ads
+    from clipmill.jobs.core.prompts import BatchInvalid
+
+    db = open_db()
+    try:
+        with domain_errors():
+            res = submit_ads(db, path, ad_template, opts)
+    except BatchInvalid as e:
+        _report(e.batch)
+        raise BadInput(str(e))
+    _report(res.ads)
+    err.print(f"batch [bold]{res.batch_id}[/]: {len(res.ad_ids)} ad(s), {len(res.job_ids)} shot job(s) queued in "
+              f"{escape(redact_url(db.url))}", soft_wrap=True)
+    return res
+
+
+def _ads_summary(db, batch_id: str) -> int:
+    """Each ad's state and files; returns how many failed."""
+    from clipmill.jobs.ads.assembly import ads_of
+
+    ads = ads_of(db, batch_id)
+    if not ads:
+        return 0
+    out.print(f"ads ({len(ads)}): " + ", ".join(f"{k} {sum(a.state == k for a in ads)}"
+                                              for k in ("done", "rejected", "failed", "waiting") if any(a.state == k for a in ads)),
+              markup=False, highlight=False)
+    for a in ads:
+        head = f"  ad {a.id} (line {a.line}{', ' + a.client_id if a.client_id else ''}) {a.state}"
+        fmts = (a.outputs or {}).get("formats", {})
+        files = "; ".join(f"{n} {f['width']}x{f['height']} {f['seconds']:.2f} s {f['location']}" for n, f in fmts.items())
+        out.print(head + (f": {files}" if files else "") + (f" ({a.error.splitlines()[-1]})" if a.error else ""),
+                  soft_wrap=True, markup=False, highlight=False)
+    return sum(a.state == "failed" for a in ads)
+
+
 def send_to_farm(db, job_ids: list[int]) -> None:
     """In farm mode (CLIPMILL_BROKER_URL set), send the committed jobs to the render queue."""
     url = settings().broker_url
@@ -66,6 +102,9 @@ def send_to_farm(db, job_ids: list[int]) -> None:
 @click.option("--group-size", type=click.IntRange(1, 16), default=4, show_default=True,
               help="Compatible jobs rendered in one call.")
 @click.option("--device", default=None, help="torch device [default: cuda if available, else cpu].")
+@click.option("--ad", "ad_template", type=click.Path(dir_okay=False), default=None, metavar="TEMPLATE",
+              help="FILE's rows are ads made with this ad template (TOML; see README, Finished ads): its shots are "
+                   "jobs, and each ad is assembled in every format once its shots have passed QC.")
 @batch_options
 @submit_options
 @qc_config_options
@@ -77,7 +116,7 @@ def send_to_farm(db, job_ids: list[int]) -> None:
               help="tiny: the model folder's AutoencoderTiny (vae_tiny/), faster and rougher.")
 @click.option("--compile", "compile_how", type=click.Choice(["none", "torch", "tensorrt"]), default="none",
               envvar="CLIPMILL_COMPILE", show_default=True, help="Compile the denoiser (GPU only).")
-def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_mode, decoder, compile_how):
+def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cache, guidance_mode, decoder, compile_how):
     """Submit FILE and render, post-process and QC it in this process.
 
     Every option, the device, the model folder and the storage root are checked before the
@@ -89,6 +128,7 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
     Example:
       clipmill run examples/shapes-batch.csv
       clipmill run examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+      clipmill run examples/ad/ads.csv --ad examples/ad/local-life.toml
       clipmill run --resume ad-batch-20261129-210000
     """
     from clipmill.jobs.core.batches import batch_status, batch_summary
@@ -97,6 +137,8 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
 
     if (file is None) == (resume is None):
         raise click.UsageError("give FILE or --resume BATCH (one of them)")
+    if ad_template is not None and resume is not None:
+        raise click.UsageError("--ad goes with FILE; a resumed ad batch keeps its own template")
     with domain_errors():  # every check before the job table changes and before any render
         # first the checks that need no torch, so that a bad option is refused at once
         check_group_size(group_size)
@@ -106,6 +148,10 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
             except BadOption as e:
                 raise BadOption(f"{e}; nothing submitted")
             check_submit_options(opts)
+            if ad_template is not None:
+                from clipmill.jobs.ads.template import load
+
+                load(ad_template)  # a bad template is refused before anything loads
             model, guidance, root, where = opts.model, opts.guidance, opts.out, "--out"
         else:
             info = batch_summary(open_db(), resume)
@@ -124,7 +170,7 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
         device = check_device(device or default_device())
     if resume is None:
         warn_model(opts)
-        batch_id = _submit(file, opts).batch_id
+        batch_id = (_submit_ads(file, ad_template, opts) if ad_template else _submit(file, opts)).batch_id
     else:
         batch_id = resume
         if model in TINY_MODELS:
@@ -141,10 +187,16 @@ def run(file, resume, group_size, device, opts, qc_cfg, feature_cache, guidance_
             progress.stopped = True
             raise SetupError(f"{e.message}; the run stopped and the batch's jobs stay queued "
                              f"(`clipmill run --resume {batch_id}` continues it)")
+    from clipmill.jobs.ads.assembly import assemble_batch
+
+    assembled = assemble_batch(ctx, batch_id)  # the ads whose shots are all in (none for a prompt batch)
+    if assembled:
+        err.print(f"assembled {sum(v is not None for v in assembled.values())} ad(s)", markup=False, highlight=False)
     wall = time.perf_counter() - t0
     st = batch_status(db, batch_id)
     _summary(st, wall)
-    if st["states"]["failed"]:
+    failed_ads = _ads_summary(db, batch_id)
+    if st["states"]["failed"] or failed_ads:
         sys.exit(EXIT_JOB_FAILED)
 
 

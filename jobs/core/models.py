@@ -31,6 +31,7 @@ class Batch(Base):
     # a job that loses this many is failed (a poison job that kills its worker)
     max_lost: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
     template: Mapped[str | None] = mapped_column(Text, nullable=True)
+    ad_template: Mapped[str | None] = mapped_column(Text, nullable=True)  # an ad batch's template file
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     jobs: Mapped[list[Job]] = relationship(back_populates="batch", order_by="Job.id")
@@ -67,6 +68,10 @@ class Job(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # farm: sent to the broker
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # an ad's shot: the ad, the shot's place in it and the formats made from this footage
+    ad_id: Mapped[int | None] = mapped_column(ForeignKey("ads.id", ondelete="CASCADE"), nullable=True, index=True)
+    shot: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    formats: Mapped[list | None] = mapped_column(JSON, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
@@ -133,6 +138,31 @@ def attempt_key(job: Job, attempt: Attempt, suffix: str) -> str:
 def attempt_keys(job: Job, attempt: Attempt) -> list[str]:
     """Every storage key an attempt may have written (see ATTEMPT_SUFFIXES)."""
     return [attempt_key(job, attempt, suffix) for suffix in ATTEMPT_SUFFIXES]
+
+
+class Ad(Base):
+    """One row of an ad batch: its placeholder values, and what its assembly made.
+
+    States: ``waiting`` (for its shots), ``assembling`` (a worker holds its lease), ``done`` (every
+    format written and checked: ``outputs``), ``rejected`` (a shot ran out of attempts, or the
+    ad-level QC refused a format: ``error``), ``failed`` (assembly raised: ``error``)."""
+
+    __tablename__ = "ads"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+    line: Mapped[int] = mapped_column(Integer)
+    client_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    values: Mapped[dict] = mapped_column(JSON, default=dict)
+    seed: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default="waiting")
+    version: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    outputs: Mapped[dict | None] = mapped_column(JSON, nullable=True)  # format -> file, bytes, seconds, qc
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 
 
 class Decision(Base):

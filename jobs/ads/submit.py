@@ -1,0 +1,91 @@
+"""Submitting an ad batch: the template and every row are checked first, then the batch, its ads
+and their shot jobs are written in one transaction (all or nothing, as a prompt batch).
+
+Each shot is one job per render size its formats need (``rows.render_sizes``): formats made by
+``crop`` or ``pad`` share the model's default size; a ``render`` format has footage of its own
+shape. A job knows its ad, its shot and the formats made from its footage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import insert, select
+
+from clipmill.jobs.core.batches import SubmitOptions, _batch_name, _token_counter
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Ad, Batch, Job
+from clipmill.jobs.core.preflight import check_model, check_submit_options
+from clipmill.jobs.core.prompts import BatchFile, BatchInvalid
+from clipmill.jobs.core.states import JobState
+from clipmill.pipeline.models import BUILTIN_MODELS
+
+from . import rows, template
+
+
+@dataclass
+class AdSubmitResult:
+    batch_id: str
+    ads: rows.AdBatch
+    ad_ids: list[int]
+    job_ids: list[int]
+
+
+def check_ads(path: str | Path, template_path: str | Path, opts: SubmitOptions) -> rows.AdBatch:
+    """The template, then every row against it; submits nothing. Raises TemplateError (a bad
+    template), BadOption or SetupProblem."""
+    check_submit_options(opts)
+    info = check_model(opts.model)
+    tpl = template.load(template_path)
+    return rows.read_ads(path, tpl, info, _token_counter(opts.model))
+
+
+def invalid(ads: rows.AdBatch) -> BatchInvalid:
+    """The prompt batch's all-or-nothing error, for an ad batch's problems."""
+    return BatchInvalid(BatchFile(ads.path, errors=list(ads.errors), warnings=list(ads.warnings)))
+
+
+def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: SubmitOptions) -> AdSubmitResult:
+    """Check everything, then write the batch, its ads and their shot jobs; with any problem,
+    raise ``BatchInvalid`` and write nothing."""
+    ads = check_ads(path, template_path, opts)
+    if ads.errors:
+        raise invalid(ads)
+    info = check_model(opts.model)
+    with db.session() as session, session.begin():
+        name = _batch_name(session, Path(path), opts.batch)
+        session.add(Batch(
+            id=name, source=str(path),
+            model=opts.model if opts.model in BUILTIN_MODELS else str(Path(opts.model).expanduser().resolve()),
+            sampler=opts.sampler or info.scheduler, guidance=opts.guidance,
+            out=str(Path(opts.out).expanduser().resolve()) if "://" not in opts.out else opts.out,
+            priority=opts.priority, max_attempts=opts.max_attempts, max_lost=opts.max_lost,
+            ad_template=str(Path(template_path).expanduser().resolve()),
+        ))
+        session.flush()
+        ad_ids, job_rows = [], []
+        for ad in ads.ads:
+            row = Ad(batch_id=name, line=ad.line, client_id=ad.client_id, values=ad.values, seed=ad.seed,
+                     state="waiting", version=0)
+            session.add(row)
+            session.flush()
+            ad_ids.append(row.id)
+            for shot in ad.shots:
+                by_size: dict[tuple[int, int], list[str]] = {}
+                for fmt, size in shot.sizes.items():
+                    by_size.setdefault(size, []).append(fmt)
+                for (w, h), formats in by_size.items():
+                    r = shot.row
+                    # a job's id names its ad, shot and size (ids are unique in a batch)
+                    cid = f"{ad.client_id}.s{shot.index}.{w}x{h}" if ad.client_id else None
+                    job_rows.append(dict(
+                        batch_id=name, line=ad.line, client_id=cid if cid and len(cid) <= 64 else None, prompt_raw=r.prompt_raw, prompt=r.prompt,
+                        negative_prompt=r.negative_prompt, elements=r.elements, seed=r.seed, tier=r.tier,
+                        tier_requested=r.tier, frames=r.frames, fps=r.fps, width=w, height=h, priority=opts.priority,
+                        state=JobState.QUEUED.value, ad_id=row.id, shot=shot.index, formats=formats,
+                    ))
+        if job_rows:
+            session.execute(insert(Job), job_rows)
+        job_ids = list(session.scalars(select(Job.id).where(Job.batch_id == name).order_by(Job.id)))
+    return AdSubmitResult(name, ads, ad_ids, job_ids)

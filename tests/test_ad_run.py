@@ -1,0 +1,120 @@
+"""`clipmill run --ad` end to end (issue 12): rows are ads, shots are jobs rendered by the built-in
+shapes model (long shots over FreeNoise windows), each ad assembled in every format of the
+example template; a kill -9 during assembly, then a resume, leaves one file per ad and format,
+the same file a clean run makes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import Ad, Job
+from clipmill.pipeline.assemble import probe_av
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "examples" / "ad" / "local-life.toml"
+CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
+# the shots' own QC is not under test here: boiling (the shapes model's known fault) is let through
+QC = ("--set", "boiling_excess=1000")
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not CJK_FONT.exists(), reason=f"the Chinese font {CJK_FONT} is not installed "
+                                 "(Debian: fonts-wqy-microhei; .ci/run installs it)")]
+
+
+def _cmd(*args, db: str, cwd: Path) -> list[str]:
+    return [sys.executable, "-m", "clipmill.jobs.cli", *args]
+
+
+def _env(db: str) -> dict:
+    return dict(os.environ, CLIPMILL_DATABASE_URL=db, OMP_NUM_THREADS="1")
+
+
+def _run(*args, db: str, cwd: Path, code: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(_cmd(*args, db=db, cwd=cwd), cwd=cwd, env=_env(db), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    return proc
+
+
+def _files(out: Path, batch: str) -> dict[str, list[str]]:
+    return {p.name: sorted(x.name for x in p.iterdir()) for p in sorted((out / batch / "ads").iterdir())}
+
+
+def test_run_ad_makes_every_format_of_every_ad(tmp_path):
+    db = f"sqlite:///{tmp_path / 'c.db'}"
+    out = tmp_path / "out"
+    proc = _run("run", str(ROOT / "examples" / "ad" / "ads.csv"), "--ad", str(TEMPLATE), "--model", "shapes",
+                "--batch", "ads", "--out", str(out), *QC, db=db, cwd=tmp_path)
+    assert "batch ads: 3 ad(s), 9 shot job(s) queued" in proc.stderr
+    assert "ads (3): done 3" in proc.stdout
+    with Database(db).session() as s:
+        ads = s.scalars(select(Ad).order_by(Ad.id)).all()
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+    assert [a.state for a in ads] == ["done"] * 3 and all(j.state == "passed" for j in jobs)
+    assert [(j.ad_id, j.shot, j.frames, j.fps, j.formats) for j in jobs[:3]] == [
+        (1, i, 21, 30, ["9x16", "1x1", "16x9"]) for i in range(3)]
+    assert _files(out, "ads") == {str(a.id): ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg", "9x16.mp4",
+                                              "ad.json"] for a in ads}
+    for a in ads:
+        side = json.loads((out / "ads" / "ads" / str(a.id) / "ad.json").read_text())
+        assert side["values"]["merchant"] == a.values["merchant"] and side["seconds"] == 9.0
+        for name, (w, h) in {"9x16": (720, 1280), "1x1": (720, 720), "16x9": (1280, 720)}.items():
+            f = a.outputs["formats"][name]
+            info = probe_av(out / "ads" / "ads" / str(a.id) / f"{name}.mp4")
+            assert (info["width"], info["height"]) == (w, h) and abs(info["seconds"] - 9.0) <= 1 / 30
+            assert info["audio"]["codec"] == "aac" and abs(info["audio"]["seconds"] - 9.0) < 0.05
+            assert f["qc"]["verdict"] == "pass" and f["bytes"] == info["bytes"]
+            assert sorted(u["shot"] for u in f["shots"]) == [0, 1, 2]
+            assert side["formats"][name]["sha256"] == f["sha256"]
+
+
+def test_a_kill_during_assembly_then_a_resume_leaves_one_file_per_ad_and_format(tmp_path):
+    csv = tmp_path / "one.csv"
+    csv.write_text("id,merchant,price,cta,colour,shape\nlaowang,老王面馆,¥ 29.9,立即下单,green,square\n",
+                   encoding="utf-8")
+    args = ("--ad", str(TEMPLATE), "--model", "shapes", "--batch", "one", *QC)
+    # a clean run, for the file a kill must not change
+    clean_db, clean_out = f"sqlite:///{tmp_path / 'clean.db'}", tmp_path / "clean"
+    _run("run", str(csv), *args, "--out", str(clean_out), db=clean_db, cwd=tmp_path)
+    with Database(clean_db).session() as s:
+        want = {k: v["sha256"] for k, v in s.scalars(select(Ad)).one().outputs["formats"].items()}
+
+    db, out = f"sqlite:///{tmp_path / 'k.db'}", tmp_path / "k"
+    proc = subprocess.Popen(_cmd("run", str(csv), *args, "--out", str(out), db=db, cwd=tmp_path), cwd=tmp_path,
+                            env=_env(db), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    database = Database(db)
+    deadline = time.time() + 600
+    while time.time() < deadline:  # wait until the first format is stored, then kill mid-assembly
+        time.sleep(0.2)
+        try:
+            with database.session() as s:
+                ad = s.scalars(select(Ad)).first()
+        except Exception:  # noqa: BLE001 - the schema may not exist yet
+            continue
+        if ad is not None and ad.state == "assembling" and (out / "one" / "ads" / "1" / "9x16.mp4").exists():
+            break
+    else:
+        proc.kill()
+        pytest.fail("the assembly never started")
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with database.session() as s:
+        assert s.scalars(select(Ad)).one().state == "assembling"  # killed in the middle
+
+    _run("run", "--resume", "one", "--model", "shapes", *QC, db=db, cwd=tmp_path)
+    with database.session() as s:
+        ad = s.scalars(select(Ad)).one()
+    assert ad.state == "done" and ad.lease_owner is None
+    assert _files(out, "one") == {"1": ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg", "9x16.mp4", "ad.json"]}
+    assert not [p for p in (out / "one").rglob("*") if p.name.startswith(".")]  # no temporary file left
+    assert {k: v["sha256"] for k, v in ad.outputs["formats"].items()} == want  # the same files a clean run makes
