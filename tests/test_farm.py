@@ -465,3 +465,49 @@ def test_flower_lists_the_farm_workers(farm, tmp_path):
         assert [q["name"] for q in workers[name]["active_queues"]] == ["post"]
     finally:
         stop(flower)
+
+
+@pytest.mark.slow
+def test_kill_9_post_worker_during_ad_assembly_ends_with_one_file_per_ad_and_format(farm, tmp_path):
+    """An ad batch in the farm: shots render on the render queue, the last shot's post task
+    sends the ad's assembly to the post queue. The post worker is killed (-9) in the middle of
+    an assembly; a new one, sent the ad again by reconcile, takes the dead assembler's ad back
+    and finishes it: one file per ad and format, nothing half-written."""
+    from clipmill.jobs.core.models import Ad
+
+    font = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
+    if not font.exists():
+        pytest.skip(f"the Chinese font {font} is not installed (Debian: fonts-wqy-microhei)")
+    env, start, cli, db = farm
+    root = Path(__file__).resolve().parents[1] / "examples" / "ad"
+    (tmp_path / "qc.toml").write_text("boiling_excess = 1000\n")  # shot QC is not under test: let boiling through
+    qc = {"CLIPMILL_QC_CONFIG": str(tmp_path / "qc.toml")}
+    (tmp_path / "two.csv").write_text("id,merchant,price,cta,colour,shape\n"
+                                      "a,老王面馆,¥ 29.9,立即下单,green,square\nb,Golden Lotus,$ 8,Order now,red,circle\n",
+                                      encoding="utf-8")
+    out = tmp_path / "out"
+    start("--queues", "render")
+    post = start("--queues", "post", "--concurrency", "1", extra_env=qc)
+    cli("submit", "two.csv", "--ad", str(root / "local-life.toml"), "--model", "shapes", "--batch", "ads",
+        "--out", str(out))
+    wait_for(db, "an ad assembling with its first file stored",
+             lambda s: any(a.state == "assembling" and (out / "ads" / "ads" / str(a.id) / "9x16.mp4").exists()
+                           for a in s.scalars(select(Ad))), timeout=600, every=0.1)
+    os.kill(post.pid, signal.SIGKILL)
+    post.wait()
+    start("--queues", "post", "--concurrency", "1", extra_env=qc)
+    deadline = time.time() + 600
+    while time.time() < deadline:  # the killed worker's message is gone: reconcile sends the ad again
+        cli("reconcile", "--stale", "5")
+        with db.session() as s:
+            ads = s.scalars(select(Ad).order_by(Ad.id)).all()
+        states = [a.state for a in ads]
+        if states == ["done", "done"]:
+            break
+        time.sleep(3)
+    assert states == ["done", "done"], states
+    for ad_id in (a.id for a in ads):
+        folder = out / "ads" / "ads" / str(ad_id)
+        assert sorted(p.name for p in folder.iterdir()) == ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg",
+                                                            "9x16.mp4", "ad.json"]
+    assert not [p for p in out.rglob("*") if p.name.startswith(".")]

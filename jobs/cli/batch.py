@@ -44,7 +44,7 @@ def _submit(path: str, opts, farm: bool = False):
     return res
 
 
-def _submit_ads(path: str, ad_template: str, opts):
+def _submit_ads(path: str, ad_template: str, opts, farm: bool = False):
     from clipmill.jobs.ads.submit import submit_ads
     from clipmill.jobs.core.prompts import BatchInvalid
 
@@ -56,6 +56,8 @@ def _submit_ads(path: str, ad_template: str, opts):
         _report(e.batch)
         raise BadInput(str(e))
     _report(res.ads)
+    if farm:
+        send_to_farm(db, res.job_ids)
     err.print(f"batch [bold]{res.batch_id}[/]: {len(res.ad_ids)} ad(s), {len(res.job_ids)} shot job(s) queued in "
               f"{escape(redact_url(db.url))}", soft_wrap=True)
     return res
@@ -333,9 +335,12 @@ def _adherence(rows: list[dict]) -> None:
 
 @click.command("submit")
 @click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--ad", "ad_template", type=click.Path(dir_okay=False), default=None, metavar="TEMPLATE",
+              help="FILE's rows are ads made with this ad template (see `clipmill run --ad`); in the farm each ad is "
+                   "assembled on the post queue once its shots have passed QC.")
 @batch_options
 @submit_options
-def submit_cmd(file, opts):
+def submit_cmd(file, ad_template, opts):
     """Validate FILE and queue its jobs in the job table, rendering nothing.
 
     All or nothing: a file with a bad row leaves the database unchanged, unless --skip-invalid.
@@ -347,6 +352,7 @@ def submit_cmd(file, opts):
     \b
     Example:
       clipmill submit examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}" --batch friday-ads --tier quality
+      clipmill submit examples/ad/ads.csv --ad examples/ad/local-life.toml --batch friday-feed-ads
     """
     from clipmill.jobs.core.preflight import check_storage, check_submit_options
 
@@ -354,7 +360,7 @@ def submit_cmd(file, opts):
         check_submit_options(opts)
         check_storage(opts.out)
     warn_model(opts)
-    res = _submit(file, opts, farm=True)
+    res = _submit_ads(file, ad_template, opts, farm=True) if ad_template else _submit(file, opts, farm=True)
     out.print(res.batch_id)
 
 

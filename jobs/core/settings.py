@@ -21,6 +21,7 @@ variable, its value and what is allowed. Nothing else in ``clipmill.jobs`` reads
 | CLIPMILL_RECONCILE_STALE | seconds after which a sent job is sent again | 600 |
 | CLIPMILL_NIGHTLY_AT | beat: HH:MM to start the nightly run | unset |
 | CLIPMILL_NIGHTLY_DEADLINE | beat: HH:MM the nightly run drains the queue by | 07:00 |
+| CLIPMILL_QC_CONFIG | a TOML file of QC thresholds: post workers', and run's default --qc-config | unset |
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class Settings:
     reconcile_stale_s: float = 600.0
     nightly_at: tuple[int, int] | None = None
     nightly_deadline: str = "07:00"
+    qc_config: str | None = None  # a TOML file of QC thresholds: a post worker's, and the default --qc-config
 
     @property
     def farm(self) -> bool:
@@ -158,4 +160,12 @@ class Settings:
             reconcile_stale_s=_seconds("CLIPMILL_RECONCILE_STALE", get("CLIPMILL_RECONCILE_STALE") or "600"),
             nightly_at=time_of_day("CLIPMILL_NIGHTLY_AT", nightly_at) if nightly_at else None,
             nightly_deadline=deadline,
+            qc_config=_qc_file(get("CLIPMILL_QC_CONFIG")),
         )
+
+
+def _qc_file(path: str | None) -> str | None:
+    """CLIPMILL_QC_CONFIG: a readable file (its keys are checked when it is loaded)."""
+    if path is not None and not os.path.isfile(path):
+        raise SettingsError(f"CLIPMILL_QC_CONFIG={path!r}: no such file; expected a TOML file of QC thresholds")
+    return path

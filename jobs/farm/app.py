@@ -74,6 +74,7 @@ def make_app(settings: Settings) -> Celery:
         task_routes={
             "clipmill.render": {"queue": "render"},
             "clipmill.post": {"queue": "post"},
+            "clipmill.assemble": {"queue": "post"},
             "clipmill.reconcile": {"queue": "post"},
             "clipmill.nightly": {"queue": "post"},
         },

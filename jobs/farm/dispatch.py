@@ -4,15 +4,16 @@ sent after; a job the broker never got stays queued, and `clipmill reconcile` se
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import timedelta, timezone
 
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
 from sqlalchemy import or_, select, update
 
+from clipmill.jobs.ads.assembly import readiness
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import Job
-from clipmill.jobs.core.queue import now, pending_post, reclaim
+from clipmill.jobs.core.models import Ad, Job
+from clipmill.jobs.core.queue import _owner_dead, now, pending_post, reclaim
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.app import app
 
@@ -63,9 +64,16 @@ def send_post(attempt_id: int) -> None:
     app.send_task("clipmill.post", (attempt_id,), queue="post", retry=False)
 
 
+def send_assemble(ad_id: int) -> None:
+    """Send one assembly message for an ad (on the post queue); one for an ad that is not ready,
+    or already assembled, does nothing."""
+    app.send_task("clipmill.assemble", (ad_id,), queue="post", retry=False)
+
+
 def reconcile(db: Database, stale_s: float = 600) -> dict:
     """Take back expired leases; send again queued jobs never sent or sent over ``stale_s`` ago,
-    and rendered attempts still waiting for post-processing."""
+    rendered attempts still waiting for post-processing, and ads whose shots are all in but
+    which are not assembled (or whose assembler's lease expired)."""
     taken_back = reclaim(db)
     cutoff = now() - timedelta(seconds=stale_s)
     with db.session() as s:
@@ -77,4 +85,24 @@ def reconcile(db: Database, stale_s: float = 600) -> dict:
     for attempt_id in pending_post(db):  # a second message for one already in flight does nothing
         send_post(attempt_id)
         posts += 1
-    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts}
+    assembles = 0
+    for ad_id in unassembled(db):
+        send_assemble(ad_id)
+        assembles += 1
+    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts, "assemble_sent": assembles}
+
+
+def unassembled(db: Database) -> list[int]:
+    """Ads that an assembly message should be out for: waiting with every shot delivered (or
+    one lost), or assembling under an expired lease."""
+    out = []
+    with db.session() as s:
+        for ad in s.scalars(select(Ad).where(Ad.state.in_(("waiting", "assembling"))).order_by(Ad.id)):
+            expires = ad.lease_expires_at
+            if expires is not None and expires.tzinfo is None:
+                expires = expires.replace(tzinfo=timezone.utc)
+            if ad.state == "assembling" and expires is not None and expires >= now() and not _owner_dead(ad.lease_owner):
+                continue
+            if readiness(s, ad.id).state != "waiting":
+                out.append(ad.id)
+    return out

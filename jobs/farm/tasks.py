@@ -21,7 +21,8 @@ from sqlalchemy import select
 from clipmill.jobs.core.models import Attempt, Job
 from clipmill.jobs.core.queue import Heartbeat, claim_group, worker_name
 from clipmill.jobs.farm.app import app
-from clipmill.jobs.farm.dispatch import BrokerDown, reconcile as run_reconcile, send_post, send_render
+from clipmill.jobs.ads.assembly import assemble_ad
+from clipmill.jobs.farm.dispatch import BrokerDown, reconcile as run_reconcile, send_assemble, send_post, send_render
 from clipmill.jobs.farm.nightly import (NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run,
                                         write_report)
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
@@ -85,7 +86,20 @@ def post(self: WorkerTask, attempt_id: int) -> str | None:
         a = s.get(Attempt, attempt_id)
     if a is not None:  # a QC retry (or a post error with attempts left): render it again
         _send_queued_again(ctx.db, [a.job_id])
+        with ctx.db.session() as s:
+            job = s.get(Job, a.job_id)
+        if job is not None and job.ad_id is not None and job.state not in ("queued", "rendering", "post"):
+            try:  # the last shot of an ad in: assemble it (an ad not ready yet ignores the message)
+                send_assemble(job.ad_id)
+            except Exception as e:  # noqa: BLE001 - reconcile sends it later
+                log.warning("ad %s: the assembly message could not be sent (%s); reconcile will send it", job.ad_id, e)
     return verdict
+
+
+@app.task(name="clipmill.assemble", base=WorkerTask, bind=True)
+def assemble(self: WorkerTask, ad_id: int) -> str | None:
+    """Assemble one ad whose shots are all in (jobs.ads.assembly): safe to run twice."""
+    return assemble_ad(self.ctx, ad_id)
 
 
 @app.task(name="clipmill.reconcile", base=WorkerTask, bind=True)
