@@ -118,3 +118,26 @@ def test_a_kill_during_assembly_then_a_resume_leaves_one_file_per_ad_and_format(
     assert _files(out, "one") == {"1": ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg", "9x16.mp4", "ad.json"]}
     assert not [p for p in (out / "one").rglob("*") if p.name.startswith(".")]  # no temporary file left
     assert {k: v["sha256"] for k, v in ad.outputs["formats"].items()} == want  # the same files a clean run makes
+
+
+@pytest.mark.parametrize("cmd", ["run", "submit"])
+def test_a_bad_ad_row_or_template_is_refused_before_any_render_naming_the_row(tmp_path, cmd):
+    db = f"sqlite:///{tmp_path / 'b.db'}"
+    csv = tmp_path / "bad.csv"
+    csv.write_text("id,merchant,price,cta,colour,shape\nok,Lao Wang,1,Go,red,circle\nx,,1,Go,red,circle\n",
+                   encoding="utf-8")
+    proc = _run(cmd, str(csv), "--ad", str(TEMPLATE), "--model", "shapes", "--out", str(tmp_path / "o"), db=db,
+                cwd=tmp_path, code=2)
+    assert proc.stderr.strip().splitlines()[-2:] == [
+        f"Error: {csv}: 1 problem, nothing submitted:",
+        f"{csv}:3: merchant: '' is missing or empty; the template local-life.toml fills {{merchant}} from it (its "
+        "placeholders: colour, shape, merchant, price, cta)"]
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[formats]]\nsize = [720, 1280]\nmethod = 'stretch'\n")
+    proc = _run(cmd, str(csv), "--ad", str(bad), "--model", "shapes", "--out", str(tmp_path / "o"), db=db, cwd=tmp_path,
+                code=2)
+    assert proc.stderr.strip().splitlines()[-1] == f"Error: {bad}: formats[0].method = 'stretch': allowed: render, crop, pad"
+    from sqlalchemy import inspect
+
+    engine = Database(db).engine
+    assert not inspect(engine).has_table("ads") or not Database(db).session().scalars(select(Ad)).all()

@@ -450,6 +450,38 @@ def status(batch, as_json, watch, limit):
               f"ETA {duration(p['eta_s'])}")
 
 
+def _check_ads(file: str, ad_template: str, opts, as_json: bool) -> None:
+    """``prompts check --ad``: every ad of FILE with its shots' cleaned prompts, and every problem."""
+    from rich.table import Table
+
+    from clipmill.jobs.ads.submit import check_ads
+
+    with domain_errors():
+        ads = check_ads(file, ad_template, opts)
+    if as_json:
+        click.echo(json.dumps({
+            "ads": [{"line": a.line, "id": a.client_id, "seed": a.seed, "values": a.values, "texts": a.texts,
+                     "shots": [{"shot": s.index, "prompt": s.row.prompt, "tier": s.row.tier, "frames": s.row.frames,
+                                "seed": s.row.seed, "sizes": {k: list(v) for k, v in s.sizes.items()}} for s in a.shots]}
+                    for a in ads.ads],
+            "errors": [str(p) for p in ads.errors],
+            "warnings": [str(p) for p in ads.warnings],
+        }, ensure_ascii=False))
+    else:
+        t = Table("line", "id", "shot", "tier", "frames", "seed", "cleaned prompt", title=file)
+        for a in ads.ads:
+            for s in a.shots:
+                t.add_row(str(a.line), a.client_id or "", str(s.index), s.row.tier, str(s.row.frames), str(s.row.seed),
+                          s.row.prompt)
+        out.print(t)
+        _report(ads)
+        for p in ads.errors:
+            err.print(f"[red]error:[/] {escape(str(p))}", soft_wrap=True)
+        err.print(f"{len(ads.ads)} valid ad(s), {len(ads.errors)} error(s), {len(ads.warnings)} warning(s)")
+    if ads.errors:
+        sys.exit(EXIT_BAD_INPUT)
+
+
 @click.group()
 def prompts():
     """Work with prompt batch files without submitting them."""
@@ -458,8 +490,10 @@ def prompts():
 @prompts.command("check")
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the cleaned rows and problems as JSON.")
+@click.option("--ad", "ad_template", type=click.Path(dir_okay=False), default=None, metavar="TEMPLATE",
+              help="FILE's rows are ads made with this ad template: check the template and every row against it.")
 @batch_options
-def prompts_check(file, as_json, opts):
+def prompts_check(file, as_json, ad_template, opts):
     """Print FILE's cleaned prompts and every problem; submit nothing.
 
     Exits 2 if any row is invalid.
@@ -467,11 +501,15 @@ def prompts_check(file, as_json, opts):
     \b
     Example:
       clipmill prompts check examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+      clipmill prompts check examples/ad/ads.csv --ad examples/ad/local-life.toml
     """
     from rich.table import Table
 
     from clipmill.jobs.core.batches import check_file
 
+    if ad_template is not None:
+        _check_ads(file, ad_template, opts, as_json)
+        return
     with domain_errors():
         _, bf = check_file(file, opts)
     if as_json:
