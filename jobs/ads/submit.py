@@ -52,6 +52,7 @@ def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: 
     ads = check_ads(path, template_path, opts)
     if ads.errors:
         raise invalid(ads)
+    notify = opts.notify or ads.template.notify  # --notify, else the template's
     info = check_model(opts.model)
     with db.session() as session, session.begin():
         name = _batch_name(session, Path(path), opts.batch)
@@ -61,7 +62,7 @@ def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: 
             sampler=opts.sampler or info.scheduler, guidance=opts.guidance,
             out=str(Path(opts.out).expanduser().resolve()) if "://" not in opts.out else opts.out,
             priority=opts.priority, max_attempts=opts.max_attempts, max_lost=opts.max_lost,
-            ad_template=str(Path(template_path).expanduser().resolve()),
+            ad_template=str(Path(template_path).expanduser().resolve()), notify_url=notify,
         ))
         session.flush()
         ad_ids, job_rows = [], []

@@ -82,6 +82,20 @@ def _ads_summary(db, batch_id: str) -> int:
     return sum(a.state == "failed" for a in ads)
 
 
+def _notify(db, batch_id: str) -> None:
+    """The batch-finished callback, when the batch has a URL (after the work: it never holds up
+    rendering); a receiver that fails every try is reported, not an error of the run."""
+    from clipmill.jobs.core.notify import notify_once
+
+    res = notify_once(db, batch_id, settings().notify_secret)
+    if res is None:
+        return
+    if res["ok"]:
+        err.print(f"notified: HTTP {res['status']} after {res['tries']} try(ies)", markup=False, highlight=False)
+    else:
+        warn(f"the --notify callback failed after {res['tries']} tries: {res['error']}")
+
+
 def send_to_farm(db, job_ids: list[int]) -> None:
     """In farm mode (CLIPMILL_BROKER_URL set), send the committed jobs to the render queue."""
     url = settings().broker_url
@@ -198,6 +212,7 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
     st = batch_status(db, batch_id)
     _summary(st, wall)
     failed_ads = _ads_summary(db, batch_id)
+    _notify(db, batch_id)
     if st["states"]["failed"] or failed_ads:
         sys.exit(EXIT_JOB_FAILED)
 

@@ -141,11 +141,15 @@ def submit_options(fn):
                   help="Attempts a job may lose with its worker (killed, lease expired) before it fails; they do not "
                        "count against --max-attempts.")
     @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first.")
+    @click.option("--notify", default=None, metavar="URL",
+                  help="POST a JSON summary here when the batch finishes, signed with HMAC-SHA256 of "
+                       "CLIPMILL_NOTIFY_SECRET, retried with backoff [default: an ad template's notify].")
     @functools.wraps(fn)
-    def wrapper(*args, opts, out, batch_name, skip_invalid, sampler, guidance, max_attempts, max_lost, priority, **kw):
+    def wrapper(*args, opts, out, batch_name, skip_invalid, sampler, guidance, max_attempts, max_lost, priority,
+                notify, **kw):
         opts.out, opts.batch, opts.skip_invalid = out, batch_name, skip_invalid
         opts.sampler, opts.guidance, opts.max_attempts, opts.priority = sampler, guidance, max_attempts, priority
-        opts.max_lost = max_lost
+        opts.max_lost, opts.notify = max_lost, notify
         return fn(*args, opts=opts, **kw)
 
     return wrapper

@@ -38,6 +38,7 @@ class SubmitOptions:
     priority: int = 0
     max_attempts: int = 2
     max_lost: int = 3  # attempts lost with their worker before the job is failed (see core.queue)
+    notify: str | None = None  # the batch-finished callback's URL (core.notify)
 
 
 @dataclass
@@ -114,6 +115,7 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
                 max_attempts=opts.max_attempts,
                 max_lost=opts.max_lost,
                 template=opts.template,
+                notify_url=opts.notify,
             )
         )
         session.flush()

@@ -32,6 +32,10 @@ class Batch(Base):
     max_lost: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
     template: Mapped[str | None] = mapped_column(Text, nullable=True)
     ad_template: Mapped[str | None] = mapped_column(Text, nullable=True)  # an ad batch's template file
+    # the batch-finished callback (core.notify): where to POST, when it was taken, why it failed
+    notify_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    notified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    notify_error: Mapped[str | None] = mapped_column(Text, nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     jobs: Mapped[list[Job]] = relationship(back_populates="batch", order_by="Job.id")

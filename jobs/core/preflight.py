@@ -59,6 +59,9 @@ def check_submit_options(opts) -> None:
         raise BadOption(f"--sampler {opts.sampler!r}: not known; allowed: {', '.join(SAMPLERS)}")
     if opts.batch is not None and not BATCH_RE.match(opts.batch):
         raise BadOption(f"--batch {opts.batch!r}: not a valid name; allowed: 1-80 letters, digits, '.', '_' or '-'")
+    notify = getattr(opts, "notify", None)
+    if notify is not None and not re.match(r"^https?://[^\s/]+", notify):
+        raise BadOption(f"--notify {notify!r}: not a URL; allowed: http://HOST/... or https://HOST/...")
 
 
 def check_defaults(defaults: Defaults, info: ModelInfo) -> None:

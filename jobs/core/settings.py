@@ -22,6 +22,7 @@ variable, its value and what is allowed. Nothing else in ``clipmill.jobs`` reads
 | CLIPMILL_NIGHTLY_AT | beat: HH:MM to start the nightly run | unset |
 | CLIPMILL_NIGHTLY_DEADLINE | beat: HH:MM the nightly run drains the queue by | 07:00 |
 | CLIPMILL_QC_CONFIG | a TOML file of QC thresholds: post workers', and run's default --qc-config | unset |
+| CLIPMILL_NOTIFY_SECRET | the HMAC-SHA256 key that signs --notify callbacks | unset (unsigned) |
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ class Settings:
     nightly_at: tuple[int, int] | None = None
     nightly_deadline: str = "07:00"
     qc_config: str | None = None  # a TOML file of QC thresholds: a post worker's, and the default --qc-config
+    notify_secret: str | None = None  # signs the batch-finished callbacks (core.notify)
 
     @property
     def farm(self) -> bool:
@@ -161,6 +163,7 @@ class Settings:
             nightly_at=time_of_day("CLIPMILL_NIGHTLY_AT", nightly_at) if nightly_at else None,
             nightly_deadline=deadline,
             qc_config=_qc_file(get("CLIPMILL_QC_CONFIG")),
+            notify_secret=get("CLIPMILL_NOTIFY_SECRET"),
         )
 
 

@@ -75,6 +75,7 @@ def make_app(settings: Settings) -> Celery:
             "clipmill.render": {"queue": "render"},
             "clipmill.post": {"queue": "post"},
             "clipmill.assemble": {"queue": "post"},
+            "clipmill.notify": {"queue": "post"},
             "clipmill.reconcile": {"queue": "post"},
             "clipmill.nightly": {"queue": "post"},
         },

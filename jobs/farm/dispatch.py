@@ -12,7 +12,8 @@ from sqlalchemy import or_, select, update
 
 from clipmill.jobs.ads.assembly import readiness
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import Ad, Job
+from clipmill.jobs.core.models import Ad, Batch, Job
+from clipmill.jobs.core.notify import finished
 from clipmill.jobs.core.queue import _owner_dead, now, pending_post, reclaim
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.app import app
@@ -70,6 +71,19 @@ def send_assemble(ad_id: int) -> None:
     app.send_task("clipmill.assemble", (ad_id,), queue="post", retry=False)
 
 
+def send_notify(batch_id: str) -> None:
+    """Send the batch-finished callback's task (post queue); it sends nothing for a batch that
+    is not finished, has no URL, or was notified already."""
+    app.send_task("clipmill.notify", (batch_id,), queue="post", retry=False)
+
+
+def unnotified(db: Database) -> list[str]:
+    """Finished batches with a callback URL that nobody has sent yet."""
+    with db.session() as s:
+        ids = list(s.scalars(select(Batch.id).where(Batch.notify_url.is_not(None), Batch.notified_at.is_(None))))
+    return [b for b in ids if finished(db, b)]
+
+
 def reconcile(db: Database, stale_s: float = 600) -> dict:
     """Take back expired leases; send again queued jobs never sent or sent over ``stale_s`` ago,
     rendered attempts still waiting for post-processing, and ads whose shots are all in but
@@ -89,7 +103,12 @@ def reconcile(db: Database, stale_s: float = 600) -> dict:
     for ad_id in unassembled(db):
         send_assemble(ad_id)
         assembles += 1
-    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts, "assemble_sent": assembles}
+    notifies = 0
+    for batch_id in unnotified(db):
+        send_notify(batch_id)
+        notifies += 1
+    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts, "assemble_sent": assembles,
+            "notify_sent": notifies}
 
 
 def unassembled(db: Database) -> list[int]:

@@ -18,11 +18,13 @@ import logging
 from celery import Task
 from sqlalchemy import select
 
-from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.core.models import Ad, Attempt, Batch, Job
 from clipmill.jobs.core.queue import Heartbeat, claim_group, worker_name
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.ads.assembly import assemble_ad
-from clipmill.jobs.farm.dispatch import BrokerDown, reconcile as run_reconcile, send_assemble, send_post, send_render
+from clipmill.jobs.core.notify import finished, notify_once
+from clipmill.jobs.farm.dispatch import (BrokerDown, reconcile as run_reconcile, send_assemble, send_notify, send_post,
+                                         send_render)
 from clipmill.jobs.farm.nightly import (NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run,
                                         write_report)
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
@@ -93,13 +95,38 @@ def post(self: WorkerTask, attempt_id: int) -> str | None:
                 send_assemble(job.ad_id)
             except Exception as e:  # noqa: BLE001 - reconcile sends it later
                 log.warning("ad %s: the assembly message could not be sent (%s); reconcile will send it", job.ad_id, e)
+        if job is not None:
+            _notify_if_finished(ctx.db, job.batch_id)
     return verdict
+
+
+def _notify_if_finished(db, batch_id: str) -> None:
+    """Send the batch's callback task when nothing of it is open (and it has a URL)."""
+    with db.session() as s:
+        batch = s.get(Batch, batch_id)
+        due = batch is not None and batch.notify_url and batch.notified_at is None
+    if due and finished(db, batch_id):
+        try:
+            send_notify(batch_id)
+        except Exception as e:  # noqa: BLE001 - reconcile sends it later
+            log.warning("batch %s: the notify message could not be sent (%s); reconcile will send it", batch_id, e)
 
 
 @app.task(name="clipmill.assemble", base=WorkerTask, bind=True)
 def assemble(self: WorkerTask, ad_id: int) -> str | None:
     """Assemble one ad whose shots are all in (jobs.ads.assembly): safe to run twice."""
-    return assemble_ad(self.ctx, ad_id)
+    state = assemble_ad(self.ctx, ad_id)
+    with self.ctx.db.session() as s:
+        ad = s.get(Ad, ad_id)
+    if ad is not None:
+        _notify_if_finished(self.ctx.db, ad.batch_id)
+    return state
+
+
+@app.task(name="clipmill.notify", base=WorkerTask, bind=True)
+def notify(self: WorkerTask, batch_id: str) -> dict | None:
+    """The batch-finished callback (core.notify): once per batch, retried with backoff."""
+    return notify_once(self.ctx.db, batch_id, self.app.clipmill_settings.notify_secret)
 
 
 @app.task(name="clipmill.reconcile", base=WorkerTask, bind=True)

@@ -4,7 +4,8 @@
 rejected, failed) with a version and a lease for the assembly, what the assembly wrote
 (``outputs``) and why it did not (``error``). ``jobs.ad_id`` / ``jobs.shot`` / ``jobs.formats``:
 the ad a job is a shot of, the shot's place in it and the formats made from its footage.
-``batches.ad_template``: the template file of an ad batch.
+``batches.ad_template``: the template file of an ad batch. ``batches.notify_url`` /
+``notified_at`` / ``notify_error``: the batch-finished callback (core.notify).
 
 Revision ID: 0008
 Revises: 0007
@@ -47,11 +48,15 @@ def upgrade() -> None:
         batch.create_index("ix_jobs_ad_id", ["ad_id"])
     with op.batch_alter_table("batches") as batch:
         batch.add_column(sa.Column("ad_template", sa.Text(), nullable=True))
+        batch.add_column(sa.Column("notify_url", sa.Text(), nullable=True))
+        batch.add_column(sa.Column("notified_at", sa.DateTime(timezone=True), nullable=True))
+        batch.add_column(sa.Column("notify_error", sa.Text(), nullable=True))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("batches") as batch:
-        batch.drop_column("ad_template")
+        for column in ("notify_error", "notified_at", "notify_url", "ad_template"):
+            batch.drop_column(column)
     with op.batch_alter_table("jobs") as batch:
         batch.drop_index("ix_jobs_ad_id")
         batch.drop_constraint("fk_jobs_ad_id", type_="foreignkey")
