@@ -42,10 +42,20 @@ from clipmill.pipeline.models import SHAPES, ModelError
               help="Instead of the ladder (a shapes-world model only, at its own size and frames): adherence per "
                    "attribute of its teacher at 50, 8 and 6 DDIM steps and its student at both tiers on "
                    "--quality-clips prompts, and QC's pass rate.")
+@click.option("--assembly", is_flag=True,
+              help="Instead of the ladder: the seconds to assemble one 15 s 720x1280 ad (examples/ad/speed-15s.toml: "
+                   "3 shots, 3 texts, logo, end card, music) from rendered footage, CPU and wall, median of --repeat.")
+@click.option("--delivery", is_flag=True,
+              help="Instead of the ladder: what each ad delivery setting (CRF, bitrate cap, profile) keeps of the "
+                   "frames before encoding (PSNR, SSIM) and the file size it makes, on 5 s of 720x1280 footage.")
+@click.option("--seams", is_flag=True,
+              help="Instead of the ladder: long shots (one render over FreeNoise windows) against independent windows "
+                   "glued together, on --quality-clips held-out shapes prompts: cuts QC finds at the joins and the "
+                   "compensated SSIM there over the clip's median.")
 @qc_config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, failures,
-              adherence, qc_cfg, as_json):
+              adherence, assembly, delivery, seams, qc_cfg, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -61,6 +71,9 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
     \b
     Example:
       clipmill bench --adherence
+      clipmill bench --assembly
+      clipmill bench --delivery
+      clipmill bench --seams --quality-clips 12
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
@@ -68,6 +81,9 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
     """
     from rich.table import Table
 
+    if assembly or delivery or seams:
+        _ads_bench(assembly, delivery, seams, repeat, quality_clips, as_json)
+        return
     from clipmill.jobs.bench.ladder import bench
     from clipmill.pipeline.shapes import ATTRIBUTES
     from clipmill.jobs.core.prompts import parse_size
@@ -186,3 +202,46 @@ def _adherence(info, device, clips, qc_cfg, as_json) -> None:
                   "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['render_s_per_clip']:.3f}")
     out.print(t)
 
+
+
+def _ads_bench(assembly: bool, delivery: bool, seams: bool, repeat: int, quality_clips, as_json: bool) -> None:
+    """``--assembly`` (ad assembly speed), ``--delivery`` (delivery settings' quality and size)
+    or ``--seams`` (long shots against glued windows)."""
+    from rich.table import Table
+
+    from clipmill.jobs.bench.ads import assembly_speed, delivery_quality, seams as seam_table
+
+    if seams:
+        res = seam_table(quality_clips or 12)
+        if as_json:
+            click.echo(json.dumps(res, ensure_ascii=False))
+            return
+        t = Table("render", "clips", "with a cut", "joins read as cuts", "min join SSIM / median", "mean",
+                  "clips within 10%", title=f"{res['frames']} frames, windows of {res['window']}")
+        for name, r in res["summary"].items():
+            t.add_row("one long shot (FreeNoise)" if name == "long" else "independent windows glued", str(r["clips"]),
+                      str(r["with_a_cut"]), str(r["joins_read_as_cuts"]), f"{r['min_join_ratio']:.3f}",
+                      f"{r['mean_join_ratio']:.3f}", str(r["within_10pct"]))
+        out.print(t)
+        return
+
+    if assembly:
+        res = assembly_speed(repeat)
+        if as_json:
+            click.echo(json.dumps(res, ensure_ascii=False))
+            return
+        m = res["median"]
+        out.print(f"assembling one {res['seconds']:g} s {res['format']} ad ({res['frames']} frames; {res['template']}), "
+                  f"median of {repeat}: {m['assembly_cpu_s']:.2f} s CPU for the assembly (layers {m['layers_s']:.2f} s + "
+                  f"encode {m['encode_s']:.2f} s wall), {m['qc_s']:.2f} s for its ad-level QC; {m['cpu_s']:.2f} s CPU "
+                  f"and {m['wall_s']:.2f} s wall in all", soft_wrap=True, markup=False, highlight=False)
+        return
+    res = delivery_quality()
+    if as_json:
+        click.echo(json.dumps(res, ensure_ascii=False))
+        return
+    t = Table("setting", "PSNR (dB)", "SSIM", "bytes", "kbit/s", "encode s", title=res["footage"])
+    for r in res["rows"]:
+        t.add_row(r["setting"], f"{r['psnr_db']:.2f}", f"{r['ssim']:.4f}", f"{r['bytes']:,}", str(r["kbps"]),
+                  f"{r['encode_s']:.2f}")
+    out.print(t)
