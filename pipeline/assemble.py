@@ -69,11 +69,13 @@ class Shot:
 @dataclass
 class EndCard:
     """The last ``seconds``: ``colour`` (RGB) or, with ``blur`` > 0, the ad's last footage frame
-    blurred (sigma ``blur`` as a fraction of the frame height)."""
+    blurred (sigma ``blur`` as a fraction of the frame height) and dimmed to ``dim`` of its
+    brightness, so that the end card's texts stand out and its start is a clear cut."""
 
     seconds: float
     colour: tuple[int, int, int] | None = (0, 0, 0)
     blur: float = 0.0
+    dim: float = 0.55
 
 
 @dataclass
@@ -187,7 +189,7 @@ def _end_card(card: EndCard, last: np.ndarray | None, size: tuple[int, int]) -> 
     if card.blur > 0 and last is not None:
         small = cv2.resize(last, (max(1, w // 4), max(1, h // 4)), interpolation=cv2.INTER_AREA)
         blurred = cv2.GaussianBlur(small, (0, 0), max(0.5, card.blur * h / 4))
-        return cv2.resize(blurred, (w, h), interpolation=cv2.INTER_LINEAR)
+        return cv2.convertScaleAbs(cv2.resize(blurred, (w, h), interpolation=cv2.INTER_LINEAR), alpha=card.dim)
     img = np.empty((h, w, 3), np.uint8)
     img[...] = card.colour or (0, 0, 0)
     return img
