@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from clipmill.jobs.ads import build, rows, template
-from clipmill.pipeline import assemble, audio, shapes
+from clipmill.jobs.bench.ads import generator_footage
+from clipmill.pipeline import assemble, audio
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.overlay import missing_glyphs
 from clipmill.qc import ad as ad_qc
@@ -206,14 +207,7 @@ def test_a_missing_column_and_a_missing_font_are_row_errors(tmp_path, info):
 def _footage(ad: rows.AdRow, fmt: template.Format, fps: int) -> dict[int, np.ndarray]:
     """Each shot's frames from the shapes world's own generator at the format's render size,
     held to the ad's fps (a stand-in for rendered, interpolated footage)."""
-    out = {}
-    for s in ad.shots:
-        clip = shapes.render(shapes.parse(s.row.prompt), s.row.seed)
-        w, h = s.sizes[fmt.name]
-        fr = np.stack([cv2.resize(f, (w, h), interpolation=cv2.INTER_CUBIC) for f in clip.frames])
-        idx = np.minimum((np.arange(round(s.seconds * fps)) * shapes.FPS / fps).astype(int), len(fr) - 1)
-        out[s.index] = fr[idx]
-    return out
+    return generator_footage(ad, fmt, fps)
 
 
 def _cuts_by_histogram(path: Path) -> list[int]:

@@ -16,7 +16,7 @@ import re
 import string
 from math import gcd
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from clipmill.jobs.core.preflight import BadOption

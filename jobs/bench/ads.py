@@ -47,7 +47,9 @@ DELIVERY_SETTINGS = [
 ]
 
 
-def _generator_footage(ad: rows.AdRow, fmt: template.Format, fps: int) -> dict[int, np.ndarray]:
+def generator_footage(ad: rows.AdRow, fmt: template.Format, fps: int) -> dict[int, np.ndarray]:
+    """Each shot's frames from the shapes world's own generator at the format's render size,
+    each frame held to the ad's fps: footage as rendered and interpolated, without a model."""
     out = {}
     for s in ad.shots:
         clip = shapes.render(shapes.parse(s.row.prompt), s.row.seed)
@@ -70,7 +72,7 @@ def assembly_speed(repeat: int = 3, path: Path = SPEED_TEMPLATE) -> dict:
         if batch.errors:
             raise ValueError("; ".join(map(str, batch.errors)))
         ad, fmt = batch.ads[0], tpl.formats[0]
-        footage = _generator_footage(ad, fmt, tpl.fps)
+        footage = generator_footage(ad, fmt, tpl.fps)
         runs = []
         for _ in range(repeat + 1):
             cpu, wall = time.process_time(), time.perf_counter()
