@@ -139,9 +139,13 @@ def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
     with ctx.db.session() as s:
         jobs = s.scalars(select(Job).where(Job.ad_id == ad.id).order_by(Job.shot, Job.id)).all()
         passed = {}
-        for j in jobs:
-            passed[j.id] = s.scalars(select(Attempt).where(Attempt.job_id == j.id, Attempt.state == "passed")
-                                     .order_by(Attempt.number.desc())).first()
+        for j in jobs:  # the clip that made the job passed (or that an operator approved)
+            q = select(Attempt).where(Attempt.job_id == j.id, Attempt.clip_key.is_not(None))
+            if j.state == JobState.PASSED.value:
+                q = q.where(Attempt.state == "passed")
+            passed[j.id] = s.scalars(q.order_by(Attempt.number.desc())).first()
+            if passed[j.id] is None:
+                raise ValueError(f"shot {j.shot} (job {j.id}) is {j.state} but has no clip")
     shot_specs = {i: spec for i, spec in enumerate(tpl.shots)}
     outputs: dict = {"formats": {}, "shots": []}
     reasons: list[str] = []
