@@ -11,7 +11,6 @@ again writes the same keys: one file per ad and format, never two.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -19,15 +18,16 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta, timezone
+from datetime import timedelta
 
 import numpy as np
 from sqlalchemy import select, update
 
 from clipmill.jobs.core.models import Ad, Attempt, Batch, Job
-from clipmill.jobs.core.queue import _owner_dead, now, worker_name
+from clipmill.jobs.core.queue import lease_lost, now, worker_name
 from clipmill.jobs.core.states import JobState
 from clipmill.pipeline.video import decode, poster_jpeg
+from clipmill.storage.base import sha256_file
 
 from . import build, rows, template
 
@@ -71,10 +71,7 @@ def _take(db, ad_id: int, me: str, lease_s: float) -> bool:
         if ad is None or ad.state not in ("waiting", "assembling"):
             return False
         if ad.state == "assembling":
-            expires = ad.lease_expires_at
-            if expires is not None and expires.tzinfo is None:
-                expires = expires.replace(tzinfo=timezone.utc)
-            if not (expires is None or expires < t or _owner_dead(ad.lease_owner)):
+            if not lease_lost(ad.lease_expires_at, ad.lease_owner):
                 return False
             log.warning("ad %s: taking it back from %s (lease expired or process gone)", ad_id, ad.lease_owner)
         res = s.execute(update(Ad).where(Ad.id == ad_id, Ad.version == ad.version)
@@ -146,21 +143,23 @@ def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
             passed[j.id] = s.scalars(q.order_by(Attempt.number.desc())).first()
             if passed[j.id] is None:
                 raise ValueError(f"shot {j.shot} (job {j.id}) is {j.state} but has no clip")
-    shot_specs = {i: spec for i, spec in enumerate(tpl.shots)}
+    ad_row = rows.AdRow(ad.line, ad.client_id, ad.values, ad.seed,
+                        [rows.Shot(i, None, spec.seconds, spec.transition, spec.crossfade) for i, spec in enumerate(tpl.shots)],
+                        texts, files, text_px)
     outputs: dict = {"formats": {}, "shots": []}
     reasons: list[str] = []
+    decoded: dict[int, np.ndarray] = {}  # a job's clip serves every format made from it: read it once
     with tempfile.TemporaryDirectory(prefix="clipmill-ad-") as tmp:
         for fmt in tpl.formats:
             footage, used = {}, []
             for j in jobs:
                 if fmt.name in (j.formats or []):
                     a = passed[j.id]
-                    footage[j.shot] = _footage(storage, j, a, tmp)
+                    if j.id not in decoded:
+                        decoded[j.id] = _footage(storage, j, a, tmp)
+                    footage[j.shot] = decoded[j.id]
                     used.append({"shot": j.shot, "job": j.id, "attempt": a.number, "seed": a.seed, "tier": a.tier,
                                  "clip": a.clip_key})
-            ad_row = rows.AdRow(ad.line, ad.client_id, ad.values, ad.seed,
-                                [rows.Shot(i, None, spec.seconds, spec.transition, spec.crossfade) for i, spec in shot_specs.items()],
-                                texts, files, text_px)
             dest = os.path.join(tmp, f"{fmt.name}.mp4")
             t0 = time.perf_counter()
             built = build.make_format(tpl, ad_row, fmt, footage, dest)
@@ -170,7 +169,7 @@ def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
             outputs["formats"][fmt.name] = {
                 "file": key, "location": location, "poster": ad_key(batch.id, ad.id, f"{fmt.name}.jpg"),
                 "width": built.width, "height": built.height, "frames": built.frames, "seconds": round(built.seconds, 4),
-                "bytes": built.bytes, "reencoded": built.reencoded, "sha256": _sha256(dest),
+                "bytes": built.bytes, "reencoded": built.reencoded, "sha256": sha256_file(dest),
                 "qc": {"verdict": built.qc.verdict, "reasons": built.qc.reasons, "metrics": built.qc.metrics},
                 "shots": used, "timings": {k: round(v, 3) for k, v in built.timings.items()},
                 "assemble_s": round(time.perf_counter() - t0, 3),
@@ -186,14 +185,6 @@ def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
     if reasons:
         return "rejected", outputs, "; ".join(reasons)
     return "done", outputs, None
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def assemble_batch(ctx, batch_id: str) -> dict[int, str | None]:

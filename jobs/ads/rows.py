@@ -19,8 +19,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from clipmill.jobs.core.cleaning import normalize
-from clipmill.jobs.core.prompts import (ID_RE, MAX_SEED, FileProblem, Problem, PromptRow, RowChecker,
-                                        TokenCounter, _int, derive_seed, read_records)
+from clipmill.jobs.core.prompts import (MAX_SEED, FileProblem, Problem, PromptRow, RowChecker, TokenCounter,
+                                        derive_seed, read_id, read_records, read_seed)
 from clipmill.pipeline.models import ModelInfo
 from clipmill.pipeline.overlay import TextStyle, box, fit_px, missing_glyphs
 
@@ -182,20 +182,17 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
     errs: list[Problem] = []
     P = lambda f, v, m: Problem(path, line, f, v, m)  # noqa: E731
     values = {k: normalize(str(v)) for k, v in rec.items()}
-    for col in tpl.placeholders():
+    placeholders = tpl.placeholders()
+    for col in placeholders:
         if not values.get(col, "").strip():
             errs.append(P(col, rec.get(col, ""), f"is missing or empty; the template "
-                          f"{tpl.path.name} fills {{{col}}} from it (its placeholders: {', '.join(tpl.placeholders())})"))
-    client_id = None
-    if "id" in rec:
-        client_id = normalize(str(rec["id"]))
-        if not ID_RE.match(client_id):
-            errs.append(P("id", rec["id"], "is not a valid id; allowed: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"))
-    seed = None
-    if "seed" in rec:
-        seed = _int(rec["seed"])
-        if seed is None or not 0 <= seed <= MAX_SEED:
-            errs.append(P("seed", rec["seed"], f"is not a seed; allowed: an integer from 0 to {MAX_SEED}"))
+                          f"{tpl.path.name} fills {{{col}}} from it (its placeholders: {', '.join(placeholders)})"))
+    client_id, why = read_id(rec)
+    if why:
+        errs.append(P("id", rec["id"], why))
+    seed, why = read_seed(rec)
+    if why:
+        errs.append(P("seed", rec["seed"], why))
     if errs:
         return None, errs
 

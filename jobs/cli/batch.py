@@ -21,45 +21,36 @@ def _report(bf) -> None:
         warn(str(w))
 
 
-def _submit(path: str, opts, farm: bool = False):
+def _problems(checked, valid: str) -> None:
+    """``prompts check``'s tail: the warnings, every error, and the counts."""
+    _report(checked)
+    for p in checked.errors:
+        err.print(f"[red]error:[/] {escape(str(p))}", soft_wrap=True)
+    err.print(f"{valid}, {len(checked.errors)} error(s), {len(checked.warnings)} warning(s)")
+
+
+def _submit(path: str, opts, farm: bool = False, ad_template: str | None = None):
+    """Submit a prompt batch, or with ``ad_template`` an ad batch; in farm mode, send its jobs."""
+    from clipmill.jobs.ads.submit import submit_ads
     from clipmill.jobs.core.batches import submit
     from clipmill.jobs.core.prompts import BatchInvalid
 
     db = open_db()
     try:
         with domain_errors():
-            res = submit(db, path, opts)
+            res = submit_ads(db, path, ad_template, opts) if ad_template else submit(db, path, opts)
     except BatchInvalid as e:
         _report(e.batch)
         raise BadInput(str(e))
-    _report(res.file)
+    _report(res.ads if ad_template else res.file)
     if farm:
         send_to_farm(db, res.job_ids)
-    if res.file.errors:
+    if not ad_template and res.file.errors:
         err.print(f"[yellow]skipped {len(res.file.bad_lines)} invalid row(s):[/]")
         for p in res.file.errors:
             err.print(f"  {p}", soft_wrap=True, markup=False)
-    err.print(f"batch [bold]{res.batch_id}[/]: {len(res.job_ids)} job(s) queued in {escape(redact_url(db.url))}",
-              soft_wrap=True)
-    return res
-
-
-def _submit_ads(path: str, ad_template: str, opts, farm: bool = False):
-    from clipmill.jobs.ads.submit import submit_ads
-    from clipmill.jobs.core.prompts import BatchInvalid
-
-    db = open_db()
-    try:
-        with domain_errors():
-            res = submit_ads(db, path, ad_template, opts)
-    except BatchInvalid as e:
-        _report(e.batch)
-        raise BadInput(str(e))
-    _report(res.ads)
-    if farm:
-        send_to_farm(db, res.job_ids)
-    err.print(f"batch [bold]{res.batch_id}[/]: {len(res.ad_ids)} ad(s), {len(res.job_ids)} shot job(s) queued in "
-              f"{escape(redact_url(db.url))}", soft_wrap=True)
+    what = f"{len(res.ad_ids)} ad(s), {len(res.job_ids)} shot job(s)" if ad_template else f"{len(res.job_ids)} job(s)"
+    err.print(f"batch [bold]{res.batch_id}[/]: {what} queued in {escape(redact_url(db.url))}", soft_wrap=True)
     return res
 
 
@@ -186,7 +177,7 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
         device = check_device(device or default_device())
     if resume is None:
         warn_model(opts)
-        batch_id = (_submit_ads(file, ad_template, opts) if ad_template else _submit(file, opts)).batch_id
+        batch_id = _submit(file, opts, ad_template=ad_template).batch_id
     else:
         batch_id = resume
         if model in TINY_MODELS:
@@ -375,7 +366,7 @@ def submit_cmd(file, ad_template, opts):
         check_submit_options(opts)
         check_storage(opts.out)
     warn_model(opts)
-    res = _submit_ads(file, ad_template, opts, farm=True) if ad_template else _submit(file, opts, farm=True)
+    res = _submit(file, opts, farm=True, ad_template=ad_template)
     out.print(res.batch_id)
 
 
@@ -489,10 +480,7 @@ def _check_ads(file: str, ad_template: str, opts, as_json: bool) -> None:
                 t.add_row(str(a.line), a.client_id or "", str(s.index), s.row.tier, str(s.row.frames), str(s.row.seed),
                           s.row.prompt)
         out.print(t)
-        _report(ads)
-        for p in ads.errors:
-            err.print(f"[red]error:[/] {escape(str(p))}", soft_wrap=True)
-        err.print(f"{len(ads.ads)} valid ad(s), {len(ads.errors)} error(s), {len(ads.warnings)} warning(s)")
+        _problems(ads, f"{len(ads.ads)} valid ad(s)")
     if ads.errors:
         sys.exit(EXIT_BAD_INPUT)
 
@@ -539,9 +527,6 @@ def prompts_check(file, as_json, ad_template, opts):
             t.add_row(str(r.line), r.client_id or "", r.tier, str(r.frames), str(r.fps), f"{r.width}x{r.height}",
                       str(r.seed), str(r.tokens), r.prompt)
         out.print(t)
-        _report(bf)
-        for p in bf.errors:
-            err.print(f"[red]error:[/] {escape(str(p))}", soft_wrap=True)
-        err.print(f"{len(bf.rows)} valid row(s), {len(bf.errors)} error(s), {len(bf.warnings)} warning(s)")
+        _problems(bf, f"{len(bf.rows)} valid row(s)")
     if bf.errors:
         sys.exit(EXIT_BAD_INPUT)

@@ -62,6 +62,15 @@ def finished(db: Database, batch_id: str) -> bool:
     return not jobs and not ads
 
 
+def due(db: Database, batch_id: str) -> str | None:
+    """The batch's callback URL when its callback is due: it has one, nobody has sent it, and
+    the batch is finished; else None."""
+    with db.session() as s:
+        batch = s.get(Batch, batch_id)
+        url = batch.notify_url if batch is not None and batch.notified_at is None else None
+    return url if url and finished(db, batch_id) else None
+
+
 def summary(db: Database, batch_id: str) -> dict:
     """What the callback says: the batch, its counts of jobs and ads by state, and each ad with
     its files (each format's location, bytes, seconds and SHA-256)."""
@@ -117,10 +126,8 @@ def notify_once(db: Database, batch_id: str, secret: str | None, policy: RetryPo
     """Send the batch's callback if it has a URL, it is finished, and nobody sent it yet (a
     compare-and-set on ``notified_at``). Returns the delivery result, or None when there was
     nothing to send."""
-    with db.session() as s:
-        batch = s.get(Batch, batch_id)
-        url = batch.notify_url if batch else None
-    if not url or not finished(db, batch_id):
+    url = due(db, batch_id)
+    if url is None:
         return None
     with db.session() as s, s.begin():
         took = s.execute(update(Batch).where(Batch.id == batch_id, Batch.notified_at.is_(None))

@@ -330,6 +330,26 @@ def _fit(text: str, count: TokenCounter, limit: int) -> str:
     return best
 
 
+def read_id(rec: dict) -> tuple[str | None, str | None]:
+    """A row's optional ``id`` (cleaned), and what is wrong with it, if anything."""
+    if "id" not in rec:
+        return None, None
+    client_id = normalize(str(rec["id"]))
+    if not ID_RE.match(client_id):
+        return client_id, "is not a valid id; allowed: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+    return client_id, None
+
+
+def read_seed(rec: dict) -> tuple[int | None, str | None]:
+    """A row's optional ``seed``, and what is wrong with it, if anything (then the seed is None)."""
+    if "seed" not in rec:
+        return None, None
+    seed = _int(rec["seed"])
+    if seed is None or not 0 <= seed <= MAX_SEED:
+        return None, f"is not a seed; allowed: an integer from 0 to {MAX_SEED}"
+    return seed, None
+
+
 class RowChecker:
     """Validates and cleans rows for one model and one set of options."""
 
@@ -438,20 +458,15 @@ class RowChecker:
             errs.append(P("prompt", raw, "is empty after cleaning; give visible text"))
 
         # optional columns
-        client_id = None
-        if "id" in rec:
-            client_id = normalize(str(rec["id"]))
-            if not ID_RE.match(client_id):
-                errs.append(P("id", rec["id"], "is not a valid id; allowed: 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"))
+        client_id, why = read_id(rec)
+        if why:
+            errs.append(P("id", rec["id"], why))
         tier = str(rec.get("tier", self.defaults.tier)).strip().lower()
         if tier not in TIERS:
             errs.append(P("tier", rec.get("tier"), f"is not a tier; allowed: {', '.join(TIERS)}"))
-        seed = None
-        if "seed" in rec:
-            seed = _int(rec["seed"])
-            if seed is None or not 0 <= seed <= MAX_SEED:
-                errs.append(P("seed", rec["seed"], f"is not a seed; allowed: an integer from 0 to {MAX_SEED}"))
-                seed = None
+        seed, why = read_seed(rec)
+        if why:
+            errs.append(P("seed", rec["seed"], why))
         frames = self.defaults.frames or self.info.default_frames
         if "frames" in rec:
             frames = _int(rec["frames"])

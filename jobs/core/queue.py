@@ -215,6 +215,14 @@ class Heartbeat:
         self.thread.join()
 
 
+def lease_lost(expires: datetime | None, owner: str | None) -> bool:
+    """Whether a lease is no longer held: it has no expiry, its expiry has passed, or its owner is
+    a process on this host that no longer exists. (SQLite returns naive UTC datetimes.)"""
+    if expires is not None and expires.tzinfo is None:
+        expires = expires.replace(tzinfo=timezone.utc)
+    return expires is None or expires < now() or _owner_dead(owner)
+
+
 def _owner_dead(owner: str | None) -> bool:
     """True when ``owner`` is a process on this host that no longer exists."""
     if not owner or ":" not in owner:
@@ -245,10 +253,7 @@ def reclaim(db: Database, batch_id: str | None = None) -> list[int]:
             q = q.where(Job.batch_id == batch_id)
         # locked: a lease renewed at this moment is seen renewed (or its row skipped), never taken back
         for job, batch in s.execute(_for_update(q, s)).all():
-            expires = job.lease_expires_at
-            if expires is not None and expires.tzinfo is None:
-                expires = expires.replace(tzinfo=timezone.utc)
-            if not (expires is None or expires < now() or _owner_dead(job.lease_owner)):
+            if not lease_lost(job.lease_expires_at, job.lease_owner):
                 continue
             for a in s.scalars(
                 select(Attempt).where(Attempt.job_id == job.id, Attempt.state == AttemptState.RENDERING.value)

@@ -4,7 +4,7 @@ sent after; a job the broker never got stays queued, and `clipmill reconcile` se
 from __future__ import annotations
 
 import logging
-from datetime import timedelta, timezone
+from datetime import timedelta
 
 from kombu.exceptions import KombuError
 from redis.exceptions import RedisError
@@ -13,8 +13,8 @@ from sqlalchemy import or_, select, update
 from clipmill.jobs.ads.assembly import readiness
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, Batch, Job
-from clipmill.jobs.core.notify import finished
-from clipmill.jobs.core.queue import _owner_dead, now, pending_post, reclaim
+from clipmill.jobs.core.notify import due
+from clipmill.jobs.core.queue import lease_lost, now, pending_post, reclaim
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.app import app
 
@@ -81,7 +81,7 @@ def unnotified(db: Database) -> list[str]:
     """Finished batches with a callback URL that nobody has sent yet."""
     with db.session() as s:
         ids = list(s.scalars(select(Batch.id).where(Batch.notify_url.is_not(None), Batch.notified_at.is_(None))))
-    return [b for b in ids if finished(db, b)]
+    return [b for b in ids if due(db, b)]
 
 
 def reconcile(db: Database, stale_s: float = 600) -> dict:
@@ -117,10 +117,7 @@ def unassembled(db: Database) -> list[int]:
     out = []
     with db.session() as s:
         for ad in s.scalars(select(Ad).where(Ad.state.in_(("waiting", "assembling"))).order_by(Ad.id)):
-            expires = ad.lease_expires_at
-            if expires is not None and expires.tzinfo is None:
-                expires = expires.replace(tzinfo=timezone.utc)
-            if ad.state == "assembling" and expires is not None and expires >= now() and not _owner_dead(ad.lease_owner):
+            if ad.state == "assembling" and not lease_lost(ad.lease_expires_at, ad.lease_owner):
                 continue
             if readiness(s, ad.id).state != "waiting":
                 out.append(ad.id)

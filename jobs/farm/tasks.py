@@ -18,11 +18,11 @@ import logging
 from celery import Task
 from sqlalchemy import select
 
-from clipmill.jobs.core.models import Ad, Attempt, Batch, Job
+from clipmill.jobs.core.models import Ad, Attempt, Job
 from clipmill.jobs.core.queue import Heartbeat, claim_group, worker_name
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.ads.assembly import assemble_ad
-from clipmill.jobs.core.notify import finished, notify_once
+from clipmill.jobs.core.notify import due, notify_once
 from clipmill.jobs.farm.dispatch import (BrokerDown, reconcile as run_reconcile, send_assemble, send_notify, send_post,
                                          send_render)
 from clipmill.jobs.farm.nightly import (NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run,
@@ -102,10 +102,7 @@ def post(self: WorkerTask, attempt_id: int) -> str | None:
 
 def _notify_if_finished(db, batch_id: str) -> None:
     """Send the batch's callback task when nothing of it is open (and it has a URL)."""
-    with db.session() as s:
-        batch = s.get(Batch, batch_id)
-        due = batch is not None and batch.notify_url and batch.notified_at is None
-    if due and finished(db, batch_id):
+    if due(db, batch_id):
         try:
             send_notify(batch_id)
         except Exception as e:  # noqa: BLE001 - reconcile sends it later
