@@ -17,46 +17,23 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .overlay import blend
+from . import i420
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")
 
 
-def reframe(frame: np.ndarray, size: tuple[int, int], method: str, pad_colour=(0, 0, 0)) -> np.ndarray:
-    """One RGB frame to ``size`` (width, height). ``render``: footage already of that shape, scaled;
-    ``crop``: the centre of the footage at the format's aspect, scaled; ``pad``: all of the
-    footage, scaled to fit, on ``pad_colour`` bars."""
-    import cv2
-
+def _crop(frame: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """The centre of ``frame`` at the aspect of ``size`` (width, height)."""
     w, h = size
     fh, fw = frame.shape[:2]
-    if method == "crop":
-        if fw * h > fh * w:  # wider than the format: crop the sides
-            cw = max(1, round(fh * w / h))
-            x = (fw - cw) // 2
-            frame = frame[:, x:x + cw]
-        else:
-            ch = max(1, round(fw * h / w))
-            y = (fh - ch) // 2
-            frame = frame[y:y + ch]
-    elif method == "pad":
-        k = min(w / fw, h / fh)
-        iw, ih = max(1, round(fw * k)), max(1, round(fh * k))
-        out = np.empty((h, w, 3), np.uint8)
-        out[...] = pad_colour
-        x, y = (w - iw) // 2, (h - ih) // 2
-        interp = cv2.INTER_AREA if k < 1 else cv2.INTER_LINEAR
-        out[y:y + ih, x:x + iw] = cv2.resize(frame, (iw, ih), interpolation=interp)
-        return out
-    elif method != "render":
-        raise ValueError(f"method {method!r} is not known; allowed: {', '.join(METHODS)}")
-    if frame.shape[1] == w and frame.shape[0] == h:
-        return np.array(frame, copy=True)  # a new frame: layers are blended into it
-    # down: area averaging; up: bilinear (a few times cheaper than bicubic at 720 x 1280, and the
-    # footage is the model's own resolution either way)
-    interp = cv2.INTER_AREA if frame.shape[1] > w else cv2.INTER_LINEAR
-    return cv2.resize(np.ascontiguousarray(frame), (w, h), interpolation=interp)
+    if fw * h > fh * w:  # wider than the format: crop the sides
+        cw = max(1, round(fh * w / h))
+        x = (fw - cw) // 2
+        return frame[:, x:x + cw]
+    ch = max(1, round(fw * h / w))
+    y = (fh - ch) // 2
+    return frame[y:y + ch]
 
 
 @dataclass
@@ -152,35 +129,63 @@ class Timeline:
 
 def frames(tl: Timeline, size: tuple[int, int], method: str, pad_colour=(0, 0, 0),
            observe: Callable[[int, np.ndarray], None] | None = None) -> Iterator[np.ndarray]:
-    """The ad's output frames, one at a time (``size`` is width, height). ``observe(i, frame)``
-    sees each frame before the layers are drawn on it (to measure the footage under a text)."""
+    """The ad's output frames, one at a time, as I420 (``pipeline.i420``; ``size`` is width,
+    height, both even). ``observe(i, frame)`` sees each frame before the layers are drawn on it
+    (to measure the footage under a text)."""
     import cv2
 
+    w, h = size
+    if w % 2 or h % 2:
+        raise ValueError(f"size {w}x{h}: H.264 in yuv420p needs even width and height")
     starts, overlaps = tl.starts(), tl.overlaps()
     n_foot = starts[len(tl.shots)]
+    overlays = [i420.Overlay.prepare(layer.rgba, layer.x, layer.y) for layer in tl.layers]
     last = end = None
     for i in range(len(tl)):
         if i < n_foot:
             # the shot this frame belongs to, and the one it crossfades from
             j = max(s for s in range(len(tl.shots)) if starts[s] <= i)
-            frame = reframe(tl.shots[j].frames[i - starts[j]], size, method, pad_colour)
+            frame = reframe_i420(tl.shots[j].frames[i - starts[j]], size, method, pad_colour)
             k, into = overlaps[j], i - starts[j]
             if into < k:
                 prev = tl.shots[j - 1].frames[len(tl.shots[j - 1].frames) - k + into]
                 a = (into + 1) / (k + 1)
-                frame = cv2.addWeighted(frame, a, reframe(prev, size, method, pad_colour), 1 - a, 0)
+                frame = cv2.addWeighted(frame, a, reframe_i420(prev, size, method, pad_colour), 1 - a, 0)
             if i == n_foot - 1:
                 last = frame.copy()  # the end card's blur reads the footage, not the layers on it
         else:
             if end is None:
-                end = _end_card(tl.end_card, last, size)
+                end = i420.from_rgb(_end_card(tl.end_card, None if last is None else i420.to_rgb(last), size))
             frame = end.copy()
         if observe is not None:
             observe(i, frame)
         t = i / tl.fps
-        for layer in tl.layers:
-            blend(frame, layer.rgba, layer.x, layer.y, layer.opacity(t))
+        for layer, ov in zip(tl.layers, overlays):
+            ov.blend(frame, layer.opacity(t))
         yield frame
+
+
+def reframe_i420(frame: np.ndarray, size: tuple[int, int], method: str, pad_colour=(0, 0, 0)) -> np.ndarray:
+    """One footage frame (RGB, any size) as an I420 frame of ``size`` (width, height).
+    ``render``: footage already of that shape, scaled; ``crop``: the centre of the footage at
+    the format's aspect, scaled; ``pad``: all of the footage, scaled to fit, on ``pad_colour``
+    bars. Footage smaller than the output is converted at its own size and only its planes are
+    scaled up (bilinear; see ``i420.put``), larger footage is scaled down by area averaging."""
+    w, h = size
+    fh, fw = frame.shape[:2]
+    if method == "pad":
+        k = min(w / fw, h / fh)
+        iw, ih = max(2, round(fw * k / 2) * 2), max(2, round(fh * k / 2) * 2)
+        out = i420.blank(size, pad_colour)
+        i420.put(out, frame, ((w - iw) // 2 // 2 * 2, (h - ih) // 2 // 2 * 2, min(iw, w), min(ih, h)))
+        return out
+    if method == "crop":
+        frame = _crop(frame, size)
+    elif method != "render":
+        raise ValueError(f"method {method!r} is not known; allowed: {', '.join(METHODS)}")
+    out = np.empty((h * 3 // 2, w), np.uint8)
+    i420.put(out, frame, (0, 0, w, h))
+    return out
 
 
 def _end_card(card: EndCard, last: np.ndarray | None, size: tuple[int, int]) -> np.ndarray:
@@ -283,8 +288,8 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
         if audio is not None:
             aus = out.add_stream("aac", rate=rate, layout="stereo")
             aus.bit_rate = d.audio_kbps * 1000
-        for frame in frame_iter:
-            yuv = cv2.cvtColor(frame, cv2.COLOR_RGB2YUV_I420)
+        for frame in frame_iter:  # I420 as frames() makes them, or RGB
+            yuv = frame if frame.ndim == 2 else cv2.cvtColor(frame, cv2.COLOR_RGB2YUV_I420)
             for packet in vs.encode(av.VideoFrame.from_ndarray(yuv, format="yuv420p")):
                 out.mux(packet)
         for packet in vs.encode():

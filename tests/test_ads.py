@@ -15,7 +15,7 @@ import pytest
 
 from clipmill.jobs.ads import build, rows, template
 from clipmill.jobs.bench.ads import generator_footage
-from clipmill.pipeline import assemble, audio
+from clipmill.pipeline import assemble, audio, i420
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.overlay import missing_glyphs
 from clipmill.qc import ad as ad_qc
@@ -253,8 +253,8 @@ def test_an_ad_format_is_assembled_exactly_and_passes_ad_qc(example_ad, tmp_path
 
     frames, _ = decode(out.path)
     tl, _ = build.timeline(tpl, ad, fmt, footage)
-    bare = list(assemble.frames(assemble.Timeline(tl.shots, tl.fps, tl.end_card, []), (fmt.width, fmt.height),
-                                fmt.method, fmt.pad_colour))
+    bare = [i420.to_rgb(f) for f in assemble.frames(assemble.Timeline(tl.shots, tl.fps, tl.end_card, []),
+                                                     (fmt.width, fmt.height), fmt.method, fmt.pad_colour)]
     for lay in tl.layers:
         h, w = lay.rgba.shape[:2]
         inside = round((lay.start + lay.end) / 2 * tpl.fps)
@@ -326,3 +326,37 @@ def test_a_file_over_its_max_size_is_encoded_again_to_fit_or_refused(tmp_path):
     assert str(e.value).startswith("no.mp4: ") and str(e.value).endswith(
         f"bytes, over the format's max_size of {cap:,} bytes (over_size = 'refuse')")
     assert not (tmp_path / "no.mp4").exists() and not list(tmp_path.glob(".no.mp4*"))  # nothing half-written
+
+
+def test_i420_composition_matches_composing_in_rgb_then_converting():
+    """The ad is composed in I420 (half the bytes of RGB, no conversion before the encoder):
+    footage scaled by its planes, and layers at odd positions or partly off the frame, come
+    out as composing in RGB and converting would make them, to within a few levels."""
+    import cv2
+
+    rng = np.random.default_rng(5)
+    small = cv2.resize(rng.integers(0, 256, (9, 16, 3), dtype=np.uint8), (32, 18), interpolation=cv2.INTER_LINEAR)
+    size = (160, 90)
+    buf = assemble.reframe_i420(small, size, "render")
+    want = cv2.resize(small, size, interpolation=cv2.INTER_LINEAR)
+    # as close as converting the scaled RGB frame (both lose what 4:2:0 chroma cannot hold)
+    via_rgb = np.abs(i420.to_rgb(i420.from_rgb(want)).astype(int) - want).mean()
+    assert np.abs(i420.to_rgb(buf).astype(int) - want).mean() <= via_rgb + 0.5
+    # a layer with soft alpha at an odd position, half off the right edge, at 60% opacity
+    layer = np.zeros((21, 41, 4), np.uint8)
+    layer[..., :3] = (250, 30, 40)
+    layer[..., 3] = np.linspace(0, 255, 41, dtype=np.uint8)[None, :]
+    x, y, op = 137, 33, 0.6
+    ov = i420.Overlay.prepare(layer, x, y)
+    ov.blend(buf, op)
+    ref = want.astype(np.float64)
+    w = min(41, size[0] - x)
+    a = layer[:, :w, 3:4] / 255.0 * op
+    ref[y:y + 21, x:x + w] = ref[y:y + 21, x:x + w] * (1 - a) + layer[:, :w, :3] * a
+    got = i420.to_rgb(buf).astype(int)
+    region = (slice(y, y + 21), slice(x, x + w))
+    assert np.abs(got[region] - ref[region]).mean() < 6  # chroma at half resolution, as in any 4:2:0 video
+    # the pixels under a box read back as RGB, and a blank frame is its colour
+    under = i420.region_rgb(i420.from_rgb(want), (10, 10, 20, 20), step=3)
+    assert under.shape == (49, 3) and np.abs(under.astype(int) - want[10:30:3, 10:30:3].reshape(-1, 3)).mean() < 4
+    assert np.abs(i420.to_rgb(i420.blank((8, 8), (200, 40, 90))).astype(int) - (200, 40, 90)).max() <= 2

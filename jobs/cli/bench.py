@@ -233,7 +233,8 @@ def _ads_bench(assembly: bool, delivery: bool, seams: bool, repeat: int, quality
         m = res["median"]
         out.print(f"assembling one {res['seconds']:g} s {res['format']} ad ({res['frames']} frames; {res['template']}), "
                   f"median of {repeat}: {m['assembly_cpu_s']:.2f} s CPU for the assembly (layers {m['layers_s']:.2f} s + "
-                  f"encode {m['encode_s']:.2f} s wall), {m['qc_s']:.2f} s for its ad-level QC; {m['cpu_s']:.2f} s CPU "
+                  f"encode {m['encode_s']:.2f} s wall), {m['qc_cpu_s']:.2f} s CPU ({m['qc_s']:.2f} s wall) for its ad-level QC; "
+                  f"{m['cpu_s']:.2f} s CPU "
                   f"and {m['wall_s']:.2f} s wall in all", soft_wrap=True, markup=False, highlight=False)
         return
     res = delivery_quality()
