@@ -20,6 +20,9 @@ def review(batch, host, port, token):
 
     Rejected clips can be shown with their reasons and contact sheets, and approved as an
     override; every decision is recorded. Two operators never overwrite each other silently.
+    An ad batch lists its ads: each format to play, the shots with their QC, approve or
+    decline, and re-render one shot with a new seed, which reassembles its ad (in this
+    process, or by the farm when CLIPMILL_BROKER_URL is set; CLIPMILL_QC_CONFIG sets QC).
 
     \b
     Example:
@@ -41,7 +44,36 @@ def review(batch, host, port, token):
             raise BadInput(str(e))
     where = f"http://{host}:{port}/" + (f"batch/{batch}" if batch else "")
     err.print(f"review at {where}" + (" (token required)" if token else ""), soft_wrap=True)
-    serve(db, host, port, token, batch)
+    send_render, runner = _rerenders(db)
+    serve(db, host, port, token, batch, send_render, runner)
+
+
+def _rerenders(db):
+    """Where a shot re-rendered from the page goes: the farm's render queue when
+    CLIPMILL_BROKER_URL is set, else a thread of this server (the model loads on first use)."""
+    from clipmill.jobs.cli.common import redact_url, settings
+
+    s = settings()
+    if s.broker_url:
+        def send(job_ids: list[int]) -> str:
+            from clipmill.jobs.farm.dispatch import BrokerDown, send_render
+
+            try:
+                n = send_render(db, job_ids)
+                return f"sent {n} job(s) to the render queue; the ad is assembled again when they pass QC"
+            except BrokerDown as e:
+                return (f"queued, but the broker {redact_url(s.broker_url)} is unreachable ({e}): "
+                        "clipmill reconcile sends them once it is back")
+
+        return send, None
+    from clipmill.jobs.runner.background import BackgroundRunner
+
+    def context():
+        from clipmill.jobs.runner.stages import WorkerContext
+
+        return WorkerContext.from_settings(s, db)
+
+    return None, BackgroundRunner(context)
 
 
 @click.command()
@@ -49,6 +81,10 @@ def review(batch, host, port, token):
 @click.option("--to", "dest", required=True, metavar="DIR|s3://BUCKET/PREFIX", help="Where to deliver.")
 def export(batch, dest):
     """Deliver BATCH's approved clips to a folder or S3 prefix, with manifest.csv and manifest.json.
+
+    For an ad batch: its approved ads, each in every format (BATCH/ROW-ID/FORMAT.mp4), one
+    manifest row per ad and format (row id, placeholder values, format, duration, file,
+    SHA-256, shot seeds, approver).
 
     Files already there with the same bytes are not copied again, so a rerun copies nothing
     twice and an interrupted export resumes. The destination is checked first (a folder is
@@ -66,18 +102,21 @@ def export(batch, dest):
     db = open_db()
     with domain_errors():
         try:
-            n = approved_count(db, batch)
+            n, kind = approved_count(db, batch)
         except ExportError as e:
             raise BadInput(str(e))
         check_storage(dest, "--to")
         if n == 0:
-            err.print(f"batch {batch}: no approved clips, nothing exported; approve clips on the review page "
+            err.print(f"batch {batch}: no approved {kind}s, nothing exported; approve {kind}s on the review page "
                       f"(clipmill review {batch}) first", soft_wrap=True, markup=False, highlight=False)
             raise SystemExit(EXIT_JOB_FAILED)
         try:
             res = export_batch(db, batch, dest)
         except ExportError as e:
             raise BadInput(str(e))
-    out.print(f"{len(res.rows)} approved clip(s): {len(res.copied)} copied, {len(res.skipped)} already there")
+    if kind == "ad":
+        out.print(f"{n} approved ad(s), {len(res.rows)} file(s): {len(res.copied)} copied, {len(res.skipped)} already there")
+    else:
+        out.print(f"{len(res.rows)} approved clip(s): {len(res.copied)} copied, {len(res.skipped)} already there")
     for m in res.manifest:
         out.print(f"manifest: {m}", soft_wrap=True, markup=False)

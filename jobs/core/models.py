@@ -149,7 +149,9 @@ class Ad(Base):
 
     States: ``waiting`` (for its shots), ``assembling`` (a worker holds its lease), ``done`` (every
     format written and checked: ``outputs``), ``rejected`` (a shot ran out of attempts, or the
-    ad-level QC refused a format: ``error``), ``failed`` (assembly raised: ``error``)."""
+    ad-level QC refused a format: ``error``), ``failed`` (assembly raised: ``error``), and an
+    operator's ``approved`` or ``declined`` (review.ads; a shot re-rendered sends it back to
+    ``waiting``)."""
 
     __tablename__ = "ads"
 
@@ -180,6 +182,24 @@ class Decision(Base):
     decision: Mapped[str] = mapped_column(String(16))  # approved | declined
     from_state: Mapped[str] = mapped_column(String(16))
     override: Mapped[bool] = mapped_column(default=False)  # True when it overrules QC's reject
+    note: Mapped[str] = mapped_column(Text, default="")
+    operator: Mapped[str] = mapped_column(String(120))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AdDecision(Base):
+    """An operator's decision on an ad (approved, declined, or ``rerender`` of one shot with a
+    new seed); every one is kept."""
+
+    __tablename__ = "ad_decisions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    ad_id: Mapped[int] = mapped_column(ForeignKey("ads.id", ondelete="CASCADE"), index=True)
+    decision: Mapped[str] = mapped_column(String(16))  # approved | declined | rerender
+    from_state: Mapped[str] = mapped_column(String(16))
+    override: Mapped[bool] = mapped_column(default=False)  # approving an ad the ad-level QC rejected
+    shot: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the shot re-rendered
+    jobs: Mapped[list | None] = mapped_column(JSON, nullable=True)  # its jobs, queued again
     note: Mapped[str] = mapped_column(Text, default="")
     operator: Mapped[str] = mapped_column(String(120))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

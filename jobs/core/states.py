@@ -43,11 +43,13 @@ JOB_MOVES: dict[JobState, frozenset[JobState]] = {
     JobState.POST: frozenset(
         {JobState.PASSED, JobState.REJECTED, JobState.FAILED, JobState.QUEUED, JobState.CANCELLED}
     ),
-    JobState.PASSED: frozenset({JobState.APPROVED, JobState.DECLINED}),
+    # back to QUEUED (from here and from approved/declined): an operator re-rendering an ad's
+    # shot with a new seed (review.ads)
+    JobState.PASSED: frozenset({JobState.APPROVED, JobState.DECLINED, JobState.QUEUED}),
     # an explicit retry, or an operator rescuing a false reject (recorded as an override)
     JobState.REJECTED: frozenset({JobState.QUEUED, JobState.APPROVED, JobState.DECLINED}),
-    JobState.APPROVED: frozenset({JobState.DECLINED}),  # an operator changing a decision
-    JobState.DECLINED: frozenset({JobState.APPROVED}),
+    JobState.APPROVED: frozenset({JobState.DECLINED, JobState.QUEUED}),  # an operator changing a decision
+    JobState.DECLINED: frozenset({JobState.APPROVED, JobState.QUEUED}),
     JobState.FAILED: frozenset({JobState.QUEUED}),  # an explicit retry
     JobState.CANCELLED: frozenset({JobState.QUEUED}),
 }

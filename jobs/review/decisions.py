@@ -63,7 +63,7 @@ def states_for(filter_name: str) -> tuple[str, ...]:
     return (filter_name,)
 
 
-def _shown_attempt(atts: list[Attempt]) -> Attempt | None:
+def shown_attempt(atts: list[Attempt]) -> Attempt | None:
     with_clip = [a for a in atts if a.clip_key]
     return with_clip[-1] if with_clip else (atts[-1] if atts else None)
 
@@ -83,7 +83,7 @@ def clips(db: Database, batch_id: str, filter_name: str = "review") -> list[Clip
             decs.setdefault(d.job_id, []).append(d)
     out = []
     for j in jobs:
-        a = _shown_attempt(atts.get(j.id, []))
+        a = shown_attempt(atts.get(j.id, []))
         history = [
             {"decision": d.decision, "operator": d.operator, "note": d.note, "override": d.override,
              "at": d.created_at.isoformat(timespec="seconds")}
@@ -130,7 +130,7 @@ def decide(db: Database, job_id: int, version: int, decision: str, note: str, op
             move_job(s, job_id, src, dst, version=version)
         except MoveConflict:
             raise DecisionConflict(f"job {job_id} changed since you loaded it; reload to see it")
-        attempt = _shown_attempt(list(s.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))))
+        attempt = shown_attempt(list(s.scalars(select(Attempt).where(Attempt.job_id == job_id).order_by(Attempt.number))))
         s.add(
             Decision(
                 job_id=job_id, attempt_id=attempt.id if attempt else None, decision=dst.value, from_state=src.value,

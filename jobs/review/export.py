@@ -1,4 +1,5 @@
-"""Delivering a batch's approved clips, with a manifest, to a folder or an S3 prefix.
+"""Delivering a batch's approved clips (or, for an ad batch, its approved ads in every format),
+with a manifest, to a folder or an S3 prefix.
 
 Each clip is copied only if the destination does not already hold the same bytes (same size
 and SHA-256), so running an export again copies nothing twice, and an interrupted export picks
@@ -18,13 +19,16 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import Attempt, Batch, Decision, Job
+from clipmill.jobs.core.models import Ad, AdDecision, Attempt, Batch, Decision, Job
 from clipmill.jobs.core.states import JobState
 from clipmill.storage import LocalStorage, open_storage
 from clipmill.storage.base import sha256_file
 
 MANIFEST_FIELDS = ("job_id", "client_id", "file", "bytes", "sha256", "prompt", "prompt_raw", "seed", "tier", "model",
                    "qc_verdict", "qc_metrics", "approver", "approved_at")
+# an ad batch: one row per approved ad and format
+AD_MANIFEST_FIELDS = ("ad_id", "row_id", "line", "values", "format", "width", "height", "duration", "file", "bytes",
+                      "sha256", "shot_seeds", "approver", "approved_at")
 
 
 class ExportError(ValueError):
@@ -63,30 +67,60 @@ def _approved(db: Database, batch_id: str):
         return batch, out
 
 
-def approved_count(db: Database, batch_id: str) -> int:
-    """How many of the batch's jobs are approved; ExportError if there is no such batch."""
+def approved_count(db: Database, batch_id: str) -> tuple[int, str]:
+    """How many of the batch's clips (or, for an ad batch, ads) are approved, and which of the
+    two it counted; ExportError if there is no such batch."""
     with db.session() as s:
-        if s.get(Batch, batch_id) is None:
+        batch = s.get(Batch, batch_id)
+        if batch is None:
             raise ExportError(f"batch {batch_id!r}: no such batch")
+        if batch.ad_template is not None:
+            return s.scalar(select(func.count()).select_from(Ad).where(
+                Ad.batch_id == batch_id, Ad.state == "approved")), "ad"
         return s.scalar(select(func.count()).select_from(Job).where(
-            Job.batch_id == batch_id, Job.state == JobState.APPROVED.value))
+            Job.batch_id == batch_id, Job.state == JobState.APPROVED.value)), "clip"
+
+
+def _deliver(src, dest, key: str, name: str, result: ExportResult) -> tuple[int, str]:
+    """Copy ``key`` of ``src`` to ``name`` of ``dest`` unless the same bytes are there."""
+    with _local_copy(src, key) as path:
+        size, digest = os.path.getsize(path), sha256_file(path)
+        if dest.stat(name) == (size, digest):
+            result.skipped.append(name)
+        else:
+            dest.put_file(name, path)
+            result.copied.append(name)
+    return size, digest
+
+
+def _manifest(dest, batch_id: str, fields: tuple[str, ...], rows: list[dict], kind: str, result: ExportResult) -> None:
+    """manifest.csv and manifest.json, last: their presence says every file in them is in place."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: json.dumps(v, ensure_ascii=False, sort_keys=True) if isinstance(v, (dict, list)) else v
+                         for k, v in row.items()})
+    base = f"{batch_id}/manifest"
+    result.manifest = [
+        dest.put_bytes(base + ".csv", buf.getvalue().encode()),
+        dest.put_bytes(base + ".json", json.dumps({"batch": batch_id, kind: rows}, ensure_ascii=False,
+                                                  indent=2, sort_keys=True).encode()),
+    ]
 
 
 def export_batch(db: Database, batch_id: str, dest_url: str, progress=None) -> ExportResult:
+    with db.session() as s:
+        batch = s.get(Batch, batch_id)
+    if batch is not None and batch.ad_template is not None:
+        return export_ads(db, batch_id, dest_url, progress)
     batch, items = _approved(db, batch_id)
     src = open_storage(batch.out)
     dest = open_storage(dest_url)
     result = ExportResult(dest_url)
     for n, (job, attempt, decision) in enumerate(items, start=1):
         name = f"{batch_id}/{job.id}" + (f"-{job.client_id}" if job.client_id else "") + ".mp4"
-        with _local_copy(src, attempt.clip_key) as path:
-            size, digest = os.path.getsize(path), sha256_file(path)
-            have = dest.stat(name)
-            if have == (size, digest):
-                result.skipped.append(name)
-            else:
-                dest.put_file(name, path)
-                result.copied.append(name)
+        size, digest = _deliver(src, dest, attempt.clip_key, name, result)
         result.rows.append({
             "job_id": job.id, "client_id": job.client_id or "", "file": name, "bytes": size, "sha256": digest,
             "prompt": job.prompt, "prompt_raw": job.prompt_raw, "seed": attempt.seed, "tier": attempt.tier,
@@ -96,18 +130,46 @@ def export_batch(db: Database, batch_id: str, dest_url: str, progress=None) -> E
         })
         if progress is not None:
             progress(n, len(items))
-    # the manifest goes last: its presence says every file in it is in place
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=MANIFEST_FIELDS, lineterminator="\n")
-    writer.writeheader()
-    for row in result.rows:
-        writer.writerow(dict(row, qc_metrics=json.dumps(row["qc_metrics"], sort_keys=True)))
-    base = f"{batch_id}/manifest"
-    result.manifest = [
-        dest.put_bytes(base + ".csv", buf.getvalue().encode()),
-        dest.put_bytes(base + ".json", json.dumps({"batch": batch_id, "clips": result.rows}, ensure_ascii=False,
-                                                  indent=2, sort_keys=True).encode()),
-    ]
+    _manifest(dest, batch_id, MANIFEST_FIELDS, result.rows, "clips", result)
+    return result
+
+
+def export_ads(db: Database, batch_id: str, dest_url: str, progress=None) -> ExportResult:
+    """An ad batch's approved ads, every format: ``BATCH/ROW-ID/FORMAT.mp4`` (the ad's id when
+    its row has none), one manifest row per ad and format with the row's placeholder values,
+    the duration, the SHA-256 and the seeds of its shots in order."""
+    with db.session() as s:
+        batch = s.get(Batch, batch_id)
+        ads = s.scalars(select(Ad).where(Ad.batch_id == batch_id, Ad.state == "approved").order_by(Ad.id)).all()
+        approvals = {}
+        for d in s.scalars(select(AdDecision).where(AdDecision.ad_id.in_([a.id for a in ads]),
+                                                    AdDecision.decision == "approved").order_by(AdDecision.id)):
+            approvals[d.ad_id] = d  # the last approval of each
+    src = open_storage(batch.out)
+    dest = open_storage(dest_url)
+    result = ExportResult(dest_url)
+    for n, ad in enumerate(ads, start=1):
+        formats = (ad.outputs or {}).get("formats") or {}
+        if not formats:
+            raise ExportError(f"ad {ad.id} is approved but has no assembled files")
+        folder = f"{batch_id}/{ad.client_id or ad.id}"
+        d = approvals.get(ad.id)
+        for name, f in formats.items():
+            target = f"{folder}/{name}.mp4"
+            size, digest = _deliver(src, dest, f["file"], target, result)
+            if digest != f["sha256"]:
+                raise ExportError(f"ad {ad.id} {name}: the stored file's SHA-256 {digest[:12]}... is not the one its "
+                                  f"assembly recorded ({f['sha256'][:12]}...); assemble it again before delivery")
+            result.rows.append({
+                "ad_id": ad.id, "row_id": ad.client_id or "", "line": ad.line, "values": ad.values, "format": name,
+                "width": f["width"], "height": f["height"], "duration": f["seconds"], "file": target, "bytes": size,
+                "sha256": digest, "shot_seeds": [u["seed"] for u in sorted(f.get("shots", []), key=lambda u: u["shot"])],
+                "approver": d.operator if d else "",
+                "approved_at": d.created_at.isoformat(timespec="seconds") if d else "",
+            })
+        if progress is not None:
+            progress(n, len(ads))
+    _manifest(dest, batch_id, AD_MANIFEST_FIELDS, result.rows, "ads", result)
     return result
 
 

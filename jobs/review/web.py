@@ -15,6 +15,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Form, HTTPException, Request
@@ -24,8 +25,12 @@ from sqlalchemy import select
 
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Batch
+from clipmill.jobs.review import ads as ad_review
 from clipmill.jobs.review.decisions import FILTERS, DecisionConflict, ReviewError, clips, decide, media_key
 from clipmill.storage import LocalStorage, open_storage
+
+if TYPE_CHECKING:
+    from clipmill.jobs.runner.background import BackgroundRunner
 
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).with_name("templates")))
 CSRF_COOKIE = "clipmill_csrf"
@@ -33,7 +38,11 @@ TOKEN_COOKIE = "clipmill_token"
 MEDIA_TYPES = {"clip": "video/mp4", "poster": "image/jpeg", "sheet": "image/png"}
 
 
-def create_app(db: Database, token: str | None = None, default_batch: str | None = None) -> FastAPI:
+def create_app(db: Database, token: str | None = None, default_batch: str | None = None,
+               send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None) -> FastAPI:
+    """The review app. A shot re-rendered from the page is sent to the farm's render queue by
+    ``send_render(job_ids)`` (farm mode; it returns what to tell the operator), else rendered
+    and its ad reassembled in this process by ``runner``."""
     app = FastAPI(title="clipmill review", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -70,9 +79,34 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
             batches = s.scalars(select(Batch).order_by(Batch.created_at.desc())).all()
         return page(request, "index.html", {"batches": batches})
 
-    @app.get("/batch/{batch_id}")
-    def batch(request: Request, batch_id: str, state: str = "review"):
+    def check_post(request: Request, csrf: str) -> None:
+        cookie = request.cookies.get(CSRF_COOKIE) or ""
+        if not cookie or not hmac.compare_digest(cookie, csrf):
+            raise HTTPException(403, "CSRF token missing or wrong; reload the page")
+        origin = request.headers.get("origin")
+        if origin and urlsplit(origin).netloc != request.headers.get("host"):
+            raise HTTPException(403, f"cross-site request from {origin} refused")
+
+    def answer(request: Request, call: Callable[[], dict]):
         try:
+            result = call()
+        except DecisionConflict as e:
+            return JSONResponse({"error": str(e)}, status_code=409)
+        except ReviewError as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+        if "application/json" in request.headers.get("accept", ""):
+            return result
+        return RedirectResponse(request.headers.get("referer") or "/", status_code=303)
+
+    @app.get("/batch/{batch_id}")
+    def batch(request: Request, batch_id: str, state: str | None = None, view: str = "ads"):
+        try:
+            if view != "shots" and ad_review.is_ad_batch(db, batch_id):
+                state = state or "all"
+                return page(request, "ads.html", {"batch": batch_id, "ads": ad_review.ads(db, batch_id, state),
+                                                  "state": state, "filters": ad_review.AD_FILTERS,
+                                                  "background": runner is not None and runner.busy})
+            state = state or "review"
             items = clips(db, batch_id, state)
             notice = None
             if state == "review" and not items:
@@ -95,42 +129,72 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
         note: str = Form(""),
         operator: str = Form(""),
     ):
-        cookie = request.cookies.get(CSRF_COOKIE) or ""
-        if not cookie or not hmac.compare_digest(cookie, csrf):
-            raise HTTPException(403, "CSRF token missing or wrong; reload the page")
-        origin = request.headers.get("origin")
-        if origin and urlsplit(origin).netloc != request.headers.get("host"):
-            raise HTTPException(403, f"cross-site request from {origin} refused")
+        check_post(request, csrf)
+        return answer(request, lambda: decide(db, job_id, version, decision, note, operator))
+
+    @app.post("/ad/{ad_id}/decide")
+    def post_ad_decision(request: Request, ad_id: int, version: int = Form(...), decision: str = Form(...),
+                         csrf: str = Form(...), note: str = Form(""), operator: str = Form("")):
+        check_post(request, csrf)
+        return answer(request, lambda: ad_review.decide_ad(db, ad_id, version, decision, note, operator))
+
+    @app.post("/ad/{ad_id}/rerender")
+    def post_rerender(request: Request, ad_id: int, version: int = Form(...), shot: int = Form(...),
+                      csrf: str = Form(...), note: str = Form(""), operator: str = Form("")):
+        check_post(request, csrf)
+
+        def rerender() -> dict:
+            res = ad_review.rerender_shot(db, ad_id, shot, version, note, operator)
+            if send_render is not None:
+                res["message"] = send_render(res["jobs"])
+            elif runner is not None:
+                runner.submit(res["batch"])
+                res["message"] = f"shot {shot} is rendering here; the ad is assembled again when it passes QC"
+            else:
+                res["message"] = f"shot {shot} is queued: clipmill run --resume {res['batch']} renders it"
+            return res
+
+        return answer(request, rerender)
+
+    @app.get("/api/ads/{batch_id}")
+    def ad_states(batch_id: str):
         try:
-            result = decide(db, job_id, version, decision, note, operator)
-        except DecisionConflict as e:
-            return JSONResponse({"error": str(e)}, status_code=409)
+            views = ad_review.ads(db, batch_id)
         except ReviewError as e:
-            return JSONResponse({"error": str(e)}, status_code=400)
-        if "application/json" in request.headers.get("accept", ""):
-            return result
-        return RedirectResponse(request.headers.get("referer") or "/", status_code=303)
+            raise HTTPException(404, str(e))
+        return {"ads": [{"ad": a.ad_id, "state": a.state, "version": a.version} for a in views],
+                "background": runner is not None and runner.busy, "errors": list(runner.errors) if runner else []}
+
+    @app.get("/ad-media/{ad_id}/{fmt}/{kind}")
+    def ad_media(ad_id: int, fmt: str, kind: str):
+        found = ad_review.ad_media_key(db, ad_id, fmt, kind)
+        if found is None:
+            raise HTTPException(404, "no such file")
+        return stored(*found, "video/mp4" if kind == "clip" else "image/jpeg")
 
     @app.get("/media/{job_id}/{attempt_no}/{kind}")
     def media(job_id: int, attempt_no: int, kind: str):
         found = media_key(db, job_id, attempt_no, kind)
         if found is None:
             raise HTTPException(404, "no such file")
-        root, key = found
+        return stored(*found, MEDIA_TYPES[kind])
+
+    def stored(root: str, key: str, media_type: str):
         store = open_storage(root)
         if isinstance(store, LocalStorage):
             path = store.path(key).resolve()
             if not path.is_relative_to(store.root) or not path.is_file():
                 raise HTTPException(404, "no such file")
-            return FileResponse(path, media_type=MEDIA_TYPES[kind])
+            return FileResponse(path, media_type=media_type)
         if not store.exists(key):
             raise HTTPException(404, "no such file")
-        return Response(store.get_bytes(key), media_type=MEDIA_TYPES[kind])
+        return Response(store.get_bytes(key), media_type=media_type)
 
     return app
 
 
-def serve(db: Database, host: str, port: int, token: str | None, batch: str | None) -> None:
+def serve(db: Database, host: str, port: int, token: str | None, batch: str | None,
+          send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(db, token, batch), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(db, token, batch, send_render, runner), host=host, port=port, log_level="warning")
