@@ -511,3 +511,44 @@ def test_kill_9_post_worker_during_ad_assembly_ends_with_one_file_per_ad_and_for
         assert sorted(p.name for p in folder.iterdir()) == ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg",
                                                             "9x16.mp4", "ad.json"]
     assert not [p for p in out.rglob("*") if p.name.startswith(".")]
+
+    # re-rendering a shot from the review page in farm mode: the page sends its jobs to the render
+    # queue, the post queue assembles the ad again under the same keys, with the shot's new seed
+    import json
+    import urllib.parse
+    import urllib.request
+
+    from services import free_port, wait_port
+
+    with db.session() as s:
+        job = s.scalars(select(Job).where(Job.ad_id == ads[0].id, Job.shot == 1)).one()
+        old_seed = s.scalars(select(Attempt.seed).where(Attempt.job_id == job.id, Attempt.state == "passed")).one()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "ads", "--port", str(port)],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_port(port, server)
+        url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(url + "/batch/ads") as r:
+            cookie = r.headers["set-cookie"].split(";")[0]
+        body = urllib.parse.urlencode({"csrf": cookie.split("=", 1)[1], "version": ads[0].version, "shot": 1,
+                                       "operator": "carol"}).encode()
+        req = urllib.request.Request(f"{url}/ad/{ads[0].id}/rerender", data=body,
+                                     headers={"Cookie": cookie, "Accept": "application/json"})
+        with urllib.request.urlopen(req) as r:
+            answer = json.loads(r.read())
+        assert answer["state"] == "waiting" and answer["jobs"] == [job.id]
+        assert answer["message"].startswith("sent 1 job(s) to the render queue")
+    finally:
+        stop(server)
+    wait_for(db, "the ad assembled again", lambda s: s.get(Ad, ads[0].id).state == "done"
+             and s.get(Ad, ads[0].id).version > ads[0].version + 1, timeout=600, every=0.5)
+    with db.session() as s:
+        ad = s.get(Ad, ads[0].id)
+        new_seed = s.scalars(select(Attempt.seed).where(Attempt.job_id == job.id, Attempt.state == "passed")
+                             .order_by(Attempt.number.desc())).first()
+    assert new_seed != old_seed
+    assert all(next(u["seed"] for u in f["shots"] if u["shot"] == 1) == new_seed for f in ad.outputs["formats"].values())
+    folder = out / "ads" / "ads" / str(ad.id)
+    assert sorted(p.name for p in folder.iterdir()) == ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg",
+                                                        "9x16.mp4", "ad.json"]
