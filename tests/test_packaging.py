@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("jobs", "pipeline", "qc", "storage")
 # imported inside functions on purpose: heavy or optional libraries, loaded only when used
 HEAVY = ("torch", "torch_tensorrt", "diffusers", "transformers", "av", "cv2", "skimage", "boto3", "botocore",
-         "alembic", "uvicorn", "tzlocal", "clipmill.storage.s3", "PIL", "fontTools")
+         "alembic", "uvicorn", "tzlocal", "clipmill.storage.s3", "PIL", "fontTools",
+         "playwright")  # a dev dependency: only `bench --review`'s browser part needs it
 
 
 def modules() -> dict[str, Path]:

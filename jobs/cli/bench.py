@@ -52,10 +52,20 @@ from clipmill.pipeline.models import SHAPES, ModelError
               help="Instead of the ladder: long shots (one render over FreeNoise windows) against independent windows "
                    "glued together, on --quality-clips held-out shapes prompts: cuts QC finds at the joins and the "
                    "compensated SSIM there over the clip's median.")
+@click.option("--review", is_flag=True,
+              help="Instead of the ladder: the review page at scale: a synthetic --jobs batch in headless Chromium "
+                   "(first paint, interactive, page bytes, media requests on load, j across a page) and the server's "
+                   "time per page with --table-jobs jobs in the table, on SQLite and on --pg.")
+@click.option("--jobs", "review_jobs", type=click.IntRange(100, 100_000), default=5000, show_default=True,
+              help="--review: jobs in the batch opened.")
+@click.option("--table-jobs", type=click.IntRange(100, 1_000_000), default=100_000, show_default=True,
+              help="--review: jobs in the whole table (the batch and other batches).")
+@click.option("--pg", "pg_url", envvar="CLIPMILL_BENCH_PG_URL", default=None, metavar="URL",
+              help="--review: also time pages on this PostgreSQL (a schema of its own, dropped afterwards).")
 @qc_config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, failures,
-              adherence, assembly, delivery, seams, qc_cfg, as_json):
+              adherence, assembly, delivery, seams, review, review_jobs, table_jobs, pg_url, qc_cfg, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -74,6 +84,7 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
       clipmill bench --assembly
       clipmill bench --delivery
       clipmill bench --seams --quality-clips 12
+      clipmill bench --review --pg postgresql+psycopg://127.0.0.1/test
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
@@ -83,6 +94,9 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
 
     if assembly or delivery or seams:
         _ads_bench(assembly, delivery, seams, repeat, quality_clips, as_json)
+        return
+    if review:
+        _review_bench(review_jobs, table_jobs, pg_url, as_json)
         return
     from clipmill.jobs.bench.ladder import bench
     from clipmill.pipeline.shapes import ATTRIBUTES
@@ -202,6 +216,33 @@ def _adherence(info, device, clips, qc_cfg, as_json) -> None:
                   "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['render_s_per_clip']:.3f}")
     out.print(t)
 
+
+
+def _review_bench(jobs: int, table_jobs: int, pg_url: str | None, as_json: bool) -> None:
+    from rich.table import Table
+
+    from clipmill.jobs.bench.review import review_bench
+
+    if table_jobs < jobs:
+        raise click.BadParameter(f"{table_jobs}: the table holds the batch, so at least --jobs ({jobs})",
+                                 param_hint="--table-jobs")
+    res = review_bench(jobs, table_jobs, pg_url)
+    if as_json:
+        click.echo(json.dumps(res))
+        return
+    b = res["browser"]
+    if "skipped" in b:
+        out.print(f"browser: skipped ({b['skipped']})")
+    else:
+        out.print(f"a {jobs}-job batch in headless Chromium: first paint {b['first_paint_ms']} ms, interactive "
+                  f"{b['interactive_ms']} ms, page {b['page_bytes']:,} bytes ({b['cards']} cards), {b['media_requests']} "
+                  f"media requests on load, j across a page boundary: {'yes' if b.get('j_to_page_2') else 'NO'}",
+                  soft_wrap=True, markup=False, highlight=False)
+    t = Table("page", "SQLite ms", *(["PostgreSQL ms"] if "postgresql_ms" in res else []),
+              title=f"server time per page, {table_jobs:,} jobs in the table (median of 5)")
+    for name, ms in res["sqlite_ms"].items():
+        t.add_row(name, f"{ms:.1f}", *([f"{res['postgresql_ms'][name]:.1f}"] if "postgresql_ms" in res else []))
+    out.print(t)
 
 
 def _ads_bench(assembly: bool, delivery: bool, seams: bool, repeat: int, quality_clips, as_json: bool) -> None:

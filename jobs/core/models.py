@@ -46,6 +46,7 @@ class Job(Base):
     __table_args__ = (
         UniqueConstraint("batch_id", "client_id", name="uq_jobs_batch_client"),
         Index("ix_jobs_batch_state", "batch_id", "state"),
+        Index("ix_jobs_batch_margin", "batch_id", "qc_margin"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -76,6 +77,10 @@ class Job(Base):
     ad_id: Mapped[int | None] = mapped_column(ForeignKey("ads.id", ondelete="CASCADE"), nullable=True, index=True)
     shot: Mapped[int | None] = mapped_column(Integer, nullable=True)
     formats: Mapped[list | None] = mapped_column(JSON, nullable=True)
+    # the review page's risk order (qc.margin), from the shown attempt's QC; see migration 0010
+    qc_margin: Mapped[float | None] = mapped_column(Float, nullable=True)
+    qc_near: Mapped[str | None] = mapped_column(String(24), nullable=True)
+    qc_kinds: Mapped[str | None] = mapped_column(String(200), nullable=True)  # ",boiling,flicker,"
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, onupdate=utcnow)
 

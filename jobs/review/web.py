@@ -16,7 +16,9 @@ import hmac
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
-from urllib.parse import urlsplit
+from dataclasses import fields, replace
+from datetime import datetime
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from fastapi import FastAPI, Form, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
@@ -26,7 +28,11 @@ from sqlalchemy import select
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Batch
 from clipmill.jobs.review import ads as ad_review
-from clipmill.jobs.review.decisions import FILTERS, DecisionConflict, ReviewError, clips, decide, media_key
+from clipmill.jobs.core.queue import now
+from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, ReviewError, View, decide, decide_many,
+                                            last_decision_id, matching, media_key, operator_summary,
+                                            page_of)
+from clipmill.qc.margin import REASON_KINDS
 from clipmill.storage import LocalStorage, open_storage
 
 if TYPE_CHECKING:
@@ -106,18 +112,51 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
                 return page(request, "ads.html", {"batch": batch_id, "ads": ad_review.ads(db, batch_id, state),
                                                   "state": state, "filters": ad_review.AD_FILTERS,
                                                   "background": runner is not None and runner.busy})
-            state = state or "review"
-            items = clips(db, batch_id, state)
-            notice = None
-            if state == "review" and not items:
-                # nothing survived QC: show the rejects, so an operator can rescue false ones
-                items = clips(db, batch_id, "rejected")
-                if items:
-                    notice = "No clip of this batch passed QC. Showing the rejected ones: approving one overrides QC."
+            v = _view(request, state)
+            loaded_at, snapshot = now().isoformat(), last_decision_id(db)  # before the page is read
+            result = page_of(db, batch_id, v)
         except ReviewError as e:
             raise HTTPException(404 if "no such batch" in str(e) else 400, str(e))
-        return page(request, "batch.html", {"batch": batch_id, "clips": items, "state": state, "filters": FILTERS,
-                                            "notice": notice})
+        notice = None
+        if result.nothing_passed and v.filter == "review" and result.total:
+            # nothing survived QC: the rejects stay in view (decided or not) until a clip passes
+            notice = "No clip of this batch passed QC. Showing the rejected ones: approving one overrides QC."
+        return page(request, "batch.html", {
+            "batch": batch_id, "p": result, "clips": result.clips, "state": v.filter, "filters": FILTERS,
+            "notice": notice, "sorts": SORTS, "reasons": REASON_KINDS, "operators": operator_summary(db, batch_id),
+            "loaded_at": loaded_at, "snapshot": snapshot, "query": _query(v), "query_for": lambda **kw: _query(replace(v, **kw))})
+
+    @app.post("/bulk/{batch_id}")
+    def post_bulk(request: Request, batch_id: str, decision: str = Form(...), csrf: str = Form(...),
+                  note: str = Form(""), operator: str = Form(""), jobs: str = Form(""), matching_view: str = Form(""),
+                  loaded_at: str = Form(""), snapshot: int = Form(0)):
+        """One decision on the jobs listed (``jobs``: "id:version,..."), or on every job of a view
+        (``matching_view``: its query string) that has not changed since ``loaded_at``."""
+        check_post(request, csrf)
+
+        def bulk() -> dict:
+            skipped: list[dict] = []
+            if matching_view:
+                try:
+                    seen = datetime.fromisoformat(loaded_at)
+                except ValueError:
+                    raise ReviewError(f"loaded_at {loaded_at!r}: not an ISO time; reload the page")
+                items, skipped = matching(db, batch_id, _view_of(dict(parse_qsl(matching_view))), seen, snapshot)
+            else:
+                try:
+                    items = [(int(a), int(b)) for a, b in (x.split(":") for x in jobs.split(",") if x)]
+                except ValueError:
+                    raise ReviewError(f"jobs {jobs[:80]!r}: expected id:version,id:version,...")
+            if not items and not skipped:
+                raise ReviewError("no jobs selected")
+            res = decide_many(db, items, decision, note, operator)
+            return {"changed": res.changed, "skipped": skipped + res.skipped}
+
+        return answer(request, bulk)
+
+    @app.get("/api/operators/{batch_id}")
+    def operators(batch_id: str):
+        return {"batch": batch_id, "operators": operator_summary(db, batch_id)}
 
     @app.post("/decide/{job_id}")
     def post_decision(
@@ -191,6 +230,39 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
         return Response(store.get_bytes(key), media_type=media_type)
 
     return app
+
+
+def _view_of(params: dict) -> View:
+    """A View from query parameters (unknown ones are ignored); ReviewError on a bad value."""
+    params = dict(params)
+    if "state" in params:  # the page's own name for the state filter
+        params.setdefault("filter", params.pop("state"))
+    kw: dict = {}
+    for f in fields(View):
+        if f.name in params and params[f.name] != "":
+            raw = params[f.name]
+            try:
+                kw[f.name] = int(raw) if f.type in ("int", int) else (raw in ("1", "true", "on") if f.type in ("bool", bool)
+                                                                        else str(raw))
+            except ValueError:
+                raise ReviewError(f"{f.name} {raw!r}: expected a whole number")
+    return View(**kw).check()
+
+
+def _view(request: Request, state: str | None) -> View:
+    params = dict(request.query_params)
+    params.pop("state", None)
+    params["filter"] = state or params.get("filter") or "review"
+    return _view_of(params)
+
+
+def _query(v: View) -> str:
+    """The query string of a view: its non-default parameters, for links and bulk actions."""
+    default = View()
+    out = {("state" if f.name == "filter" else f.name): (int(getattr(v, f.name)) if f.type in ("bool", bool)
+                                                         else getattr(v, f.name))
+           for f in fields(View) if getattr(v, f.name) != getattr(default, f.name)}
+    return urlencode(out)
 
 
 def serve(db: Database, host: str, port: int, token: str | None, batch: str | None,

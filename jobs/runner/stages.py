@@ -37,6 +37,7 @@ from clipmill.pipeline.interpolate import interpolate
 from clipmill.pipeline.video import decode, encode_h264, poster_jpeg
 from clipmill.qc import QCConfig, check_frames_with_series
 from clipmill.qc.adherence import report as adherence_report
+from clipmill.qc.margin import reason_kinds, risk
 from clipmill.qc.report import contact_sheet
 from clipmill.storage import Storage, open_storage
 
@@ -358,9 +359,12 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
             if retry:  # escalate: render again at the quality tier, with a new seed (see queue.attempt_seed)
                 move_job(s, job.id, JobState.POST, JobState.QUEUED, tier=RETRY_TIER, lease_owner=None, lease_expires_at=None)
             else:
+                margin, near = risk(result.metrics, ctx.qc_config)
+                kinds = reason_kinds(result.reasons)
                 move_job(
                     s, job.id, JobState.POST, JobState.PASSED if passed else JobState.REJECTED,
-                    lease_owner=None, lease_expires_at=None,
+                    lease_owner=None, lease_expires_at=None, qc_margin=margin, qc_near=near,
+                    qc_kinds=f",{','.join(kinds)}," if kinds else None,
                 )
     except MoveConflict:
         _drop(ctx, job, a, batch.out)
