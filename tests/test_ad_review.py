@@ -138,6 +138,7 @@ def test_review_ads_rerender_a_shot_then_export(ad_batch):
             page.goto(url + "/")
             assert page.url.endswith("/batch/adrev")
             assert page.locator(".card.ad").count() == 2
+            assert page.locator("#filters [data-filter=done] .count").text_content() == "2"
             first = page.locator("#ad-1")
             assert first.locator("figure.format").count() == 2  # both formats, each with its player
             assert "老王面馆" in first.locator(".values").inner_text()

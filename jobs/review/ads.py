@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, AdDecision, Attempt, Batch, Job
@@ -106,15 +106,35 @@ def formats_of(ad: Ad) -> list[FormatView]:
     return out
 
 
-def ads(db: Database, batch_id: str, filter_name: str = "all") -> list[AdView]:
-    """The ads of a batch in the filter's states, with their formats, shots and decisions."""
+AD_PER_PAGE = 24
+
+
+def counts(db: Database, batch_id: str) -> dict[str, int]:
+    """How many of the batch's ads each filter shows."""
+    with db.session() as s:
+        by_state = dict(s.execute(select(Ad.state, func.count()).where(Ad.batch_id == batch_id).group_by(Ad.state)).all())
+    out = {}
+    for f in AD_FILTERS:
+        states = _states(f)
+        out[f] = sum(by_state.values()) if states is None else sum(by_state.get(st, 0) for st in states)
+    return out
+
+
+def ads(db: Database, batch_id: str, filter_name: str = "all", page: int = 1, per: int | None = None) -> list[AdView]:
+    """The ads of a batch in the filter's states (one page of ``per``, or all), with their
+    formats, shots and decisions."""
     states = _states(filter_name)
+    if page < 1:
+        raise ReviewError(f"page {page}: pages start at 1")
     is_ad_batch(db, batch_id)
     with db.session() as s:
         q = select(Ad).where(Ad.batch_id == batch_id)
         if states is not None:
             q = q.where(Ad.state.in_(states))
-        rows = s.scalars(q.order_by(Ad.id)).all()
+        q = q.order_by(Ad.id)
+        if per is not None:
+            q = q.limit(per).offset((page - 1) * per)
+        rows = s.scalars(q).all()
         ids = [a.id for a in rows]
         jobs: dict[int, list[Job]] = {}
         for j in s.scalars(select(Job).where(Job.ad_id.in_(ids)).order_by(Job.shot, Job.id)):

@@ -109,9 +109,16 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
         try:
             if view != "shots" and ad_review.is_ad_batch(db, batch_id):
                 state = state or "all"
-                return page(request, "ads.html", {"batch": batch_id, "ads": ad_review.ads(db, batch_id, state),
-                                                  "state": state, "filters": ad_review.AD_FILTERS,
-                                                  "background": runner is not None and runner.busy})
+                raw = request.query_params.get("page") or "1"
+                if not raw.isdigit():
+                    raise ReviewError(f"page {raw!r}: expected a whole number")
+                n = int(raw)
+                per = ad_review.AD_PER_PAGE
+                counts = ad_review.counts(db, batch_id)
+                return page(request, "ads.html", {
+                    "batch": batch_id, "ads": ad_review.ads(db, batch_id, state, n, per), "state": state,
+                    "filters": ad_review.AD_FILTERS, "counts": counts, "page_no": n,
+                    "pages": max(1, -(-counts[state] // per)), "background": runner is not None and runner.busy})
             v = _view(request, state)
             loaded_at, snapshot = now().isoformat(), last_decision_id(db)  # before the page is read
             result = page_of(db, batch_id, v)
