@@ -101,6 +101,15 @@ def ad_batch(tmp_path_factory):
     database.dispose()
 
 
+def _serve(tmp: Path, env: dict) -> tuple[subprocess.Popen, str]:
+    """A `clipmill review adrev` server (embedded: re-renders run inside it)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "adrev", "--port", str(port)],
+                              env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_port(port, server)
+    return server, f"http://127.0.0.1:{port}"
+
+
 def _seeds(db, ad_id: int) -> dict[int, int]:
     """The seed of each shot's latest attempt with a clip."""
     with db.session() as s:
@@ -124,12 +133,8 @@ def test_review_ads_rerender_a_shot_then_export(ad_batch):
     chromium = need_program("chromium", "Debian's Chromium")
     before = _seeds(db, 2)
     old_sha = {k: f["sha256"] for k, f in _ad(db, 2).outputs["formats"].items()}
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "adrev", "--port", str(port)],
-                              env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, url = _serve(tmp, env)
     try:
-        wait_port(port, server)
-        url = f"http://127.0.0.1:{port}"
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=[
                 "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
@@ -212,12 +217,8 @@ def test_review_ads_rerender_a_shot_then_export(ad_batch):
 
 def test_a_stale_ad_decision_is_refused_with_who_changed_it(ad_batch):
     tmp, env, db = ad_batch
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "review", "adrev", "--port", str(port)],
-                              env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, url = _serve(tmp, env)
     try:
-        wait_port(port, server)
-        url = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(url + "/batch/adrev") as r:
             cookie = r.headers["set-cookie"].split(";")[0]
         csrf = cookie.split("=", 1)[1]

@@ -73,6 +73,7 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     assert {t for t in top if not t.endswith(".dist-info")} == {"clipmill"}, top
     assert not top & set(FOLDERS)
     for needed in ("clipmill/jobs/cli/__init__.py", "clipmill/jobs/review/templates/batch.html",
+                   "clipmill/jobs/review/templates/_cards.js",
                    "clipmill/jobs/core/migrations/script.py.mako", "clipmill/pipeline/render.py", "clipmill/qc/check.py",
                    "clipmill/storage/local.py"):
         assert needed in names

@@ -23,6 +23,11 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 
 
+def _browser(p, chromium: str):
+    browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+    return browser, browser.new_context(bypass_csp=True).new_page()  # the test evaluates its own probes
+
+
 def _serve(tmp_path, db_url: str, batch: str):
     port = free_port()
     env = dict(os.environ, CLIPMILL_DATABASE_URL=db_url)
@@ -85,8 +90,7 @@ def test_bulk_approve_of_a_filter_is_one_decision_per_job_and_skips_one_decided_
     server, base = _serve(tmp_path, url, "b")
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            page = browser.new_context(bypass_csp=True).new_page()  # the test evaluates its own probes
+            browser, page = _browser(p, chromium)
             page.goto(base + "/batch/b?state=rejected&reason=boiling")
             page.wait_for_function("document.body.dataset.ready === '1'")
             assert page.locator("#filters [data-filter=rejected] .count").text_content() == str(boiling.total)
@@ -166,8 +170,7 @@ def test_the_nothing_passed_notice_stays_and_rejects_stay_in_view_after_a_decisi
     server, base = _serve(tmp_path, url, "none")
     try:
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            page = browser.new_context(bypass_csp=True).new_page()  # the test evaluates its own probes
+            browser, page = _browser(p, chromium)
             page.goto(base + "/batch/none")
             assert "No clip of this batch passed QC" in page.text_content("#notice")
             assert page.locator(".card").count() == 6
