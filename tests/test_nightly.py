@@ -81,7 +81,7 @@ def test_supervisor_moves_queued_quality_jobs_to_fast_and_back(db, tmp_path):
     assert sup.changes[0]["tier"] == "fast" and "will not finish" in sup.changes[0]["reason"]
 
     sup.deadline = datetime.now(timezone.utc) + timedelta(hours=1)
-    sup.scheduler.groups_since_switch = sup.cfg.hold_groups  # the hold has passed
+    sup.scheduler.hold.since = sup.cfg.hold_groups  # the hold has passed
     d = sup.step(workers=1)
     assert d.tier == "quality" and d.changed
     with db.session() as s:

@@ -11,11 +11,11 @@ finish. Pure logic: the caller feeds measurements and applies decisions.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
 from clipmill.pipeline.choices import TIERS
+from clipmill.pipeline.pacing import CostWindow, Hold
 
 STEPS = {name: tier.steps for name, tier in TIERS.items()}
 
@@ -42,23 +42,30 @@ class Decision:
 class TierScheduler:
     cfg: SchedulerConfig = field(default_factory=SchedulerConfig)
     tier: str = "quality"
-    groups_since_switch: int = 0
-    samples: dict[str, deque] = field(default_factory=dict)
+    samples: dict[str, CostWindow] = field(default_factory=dict)
     log: list[Decision] = field(default_factory=list)
+    hold: Hold = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.hold is None:
+            self.hold = Hold(self.cfg.hold_groups, since=0)
+
+    @property
+    def groups_since_switch(self) -> int:
+        return self.hold.since
 
     def record(self, worker: str, seconds: float, steps: int, clips: int) -> None:
         """A finished group: ``seconds`` of rendering for ``clips`` clips of ``steps`` steps."""
         if seconds <= 0 or steps <= 0 or clips <= 0:
             raise ValueError(f"record(): seconds={seconds}, steps={steps}, clips={clips} must be positive")
-        window = self.samples.setdefault(worker, deque(maxlen=self.cfg.window))
-        window.append(seconds / (steps * clips))
-        self.groups_since_switch += 1
+        self.samples.setdefault(worker, CostWindow(self.cfg.window)).add(seconds / (steps * clips))
+        self.hold.tick()
 
     def step_cost(self, workers: int) -> float | None:
         """Seconds per step per clip for the farm as a whole, shared by ``workers`` working in
         parallel. Per worker, the larger of its window's median and the mean of its last three
-        groups: a slowdown counts at once, a single fast group does not."""
-        per_worker = [max(median(w), sum(list(w)[-3:]) / len(list(w)[-3:])) for w in self.samples.values() if w]
+        groups (``CostWindow.predict``): a slowdown counts at once, a single fast group does not."""
+        per_worker = [w.predict() for w in self.samples.values() if len(w)]
         return median(per_worker) / max(1, workers) if per_worker else None
 
     def decide(self, time_left_s: float, quality_jobs: int, fast_jobs: int, workers: int = 1) -> Decision:
@@ -69,7 +76,7 @@ class TierScheduler:
             return self._keep(time_left_s, None, "no measurements yet")
         need_q = cost * (quality_jobs * STEPS["quality"] + fast_jobs * STEPS["fast"])
         need_f = cost * (quality_jobs + fast_jobs) * STEPS["fast"]
-        held = self.groups_since_switch >= self.cfg.hold_groups
+        held = self.hold.ready
         if need_f * self.cfg.margin > time_left_s:
             fits = int(time_left_s / self.cfg.margin / (cost * STEPS["fast"]))
             miss = max(0, quality_jobs + fast_jobs - fits)
@@ -94,9 +101,9 @@ class TierScheduler:
             return Decision(tier, False, why, need, left)
         if not force:
             return Decision(self.tier, False, f"{why}; holding {self.tier} for "
-                            f"{self.cfg.hold_groups - self.groups_since_switch} more group(s)", need, left)
+                            f"{self.hold.left} more group(s)", need, left)
         self.tier = tier
-        self.groups_since_switch = 0
+        self.hold.changed()
         d = Decision(tier, True, why, need, left)
         self.log.append(d)
         return d
