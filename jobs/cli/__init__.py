@@ -48,6 +48,6 @@ def main(verbose: int, log_json: bool) -> None:
 
 
 for command in (batch.run, batch.submit_cmd, batch.status, batch.prompts, farm.worker, farm.beat, farm.reconcile,
-                farm.cancel, farm.retry, farm.nightly, review.review, review.export, media.qc, media.interpolate,
+                farm.cancel, farm.retry, farm.nightly, review.review, review.preview, review.export, media.qc, media.interpolate,
                 bench.bench_cmd, train.train_model):
     main.add_command(command)

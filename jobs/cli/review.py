@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from clipmill.jobs.cli.common import EXIT_JOB_FAILED, BadInput, domain_errors, err, open_db, out
@@ -30,7 +32,6 @@ def review(batch, host, port, token):
       clipmill review --host 0.0.0.0 --port 8080 --token "$(openssl rand -hex 16)"
     """
     from clipmill.jobs.core.batches import SubmitError, batch_summary
-    from clipmill.jobs.review.web import serve
 
     if host not in LOOPBACK and not token:
         raise BadInput(f"--host {host}: binding beyond this machine needs --token (or CLIPMILL_REVIEW_TOKEN)")
@@ -44,8 +45,57 @@ def review(batch, host, port, token):
             raise BadInput(str(e))
     where = f"http://{host}:{port}/" + (f"batch/{batch}" if batch else "")
     err.print(f"review at {where}" + (" (token required)" if token else ""), soft_wrap=True)
+    _serve(db, host, port, token, batch)
+
+
+def _serve(db, host: str, port: int, token: str | None, batch: str | None, model: str | None = None) -> None:
+    """The review server with its shot re-renders and its preview (the model loads on first use)."""
+    from clipmill.jobs.cli.common import settings
+    from clipmill.jobs.review.preview import Previews
+    from clipmill.jobs.review.web import serve
+
+    model = model or os.environ.get("CLIPMILL_MODEL") or "shapes"
+    out_root = os.environ.get("CLIPMILL_OUT") or "clipmill-out"
+
+    def renderer():
+        from clipmill.jobs.runner.stages import default_device
+        from clipmill.pipeline.models import model_info
+        from clipmill.pipeline.render import Renderer
+
+        return Renderer(model_info(model), device=settings().device or default_device())
+
     send_render, runner = _rerenders(db)
-    serve(db, host, port, token, batch, send_render, runner)
+    serve(db, host, port, token, batch, send_render, runner, Previews(renderer), {"model": model, "out": out_root})
+
+
+@click.command()
+@click.argument("prompt")
+@click.option("--model", default="shapes", show_default=True, envvar="CLIPMILL_MODEL",
+              help="An AnimateDiff-family model: 'shapes' (built in), 'tiny' or a local folder.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+def preview(prompt, model, port):
+    """Stream PROMPT as an endless shot to a local page: edit the prompt there and the frames
+    follow it; "Queue this" adds it (with its seed and tier) to the job table as a batch.
+
+    The page is the review server's /preview (Server-Sent Events); closing it stops the stream
+    and frees the model. Steps per frame follow a frame-time budget (pipeline.adaptive).
+
+    \b
+    Example:
+      clipmill preview "a red circle moves right on a beige background, pan right"
+      clipmill preview "a bowl of ramen, steam rising" --model ./models/animatediff-lightning
+    """
+    from urllib.parse import quote
+
+    from clipmill.jobs.core.preflight import check_model
+
+    with domain_errors():
+        info = check_model(model, "vae")
+    if info.family != "animatediff":
+        raise BadInput(f"--model {model}: the preview streams AnimateDiff-family models; {info.name} is {info.family}")
+    db = open_db()
+    err.print(f"preview at http://127.0.0.1:{port}/preview?prompt={quote(prompt)}", soft_wrap=True, markup=False)
+    _serve(db, "127.0.0.1", port, None, None, model)
 
 
 def _rerenders(db):

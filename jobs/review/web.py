@@ -12,26 +12,31 @@ Security:
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import hmac
+import json
 import secrets
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+import time
 from dataclasses import fields, replace
 from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from fastapi import FastAPI, Form, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.templating import Jinja2Templates
 from sqlalchemy import select
 
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Batch
-from clipmill.jobs.review import ads as ad_review
+from clipmill.jobs.core.preflight import BadOption
 from clipmill.jobs.core.queue import now
+from clipmill.jobs.review import ads as ad_review
 from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, ReviewError, View, decide, decide_many,
-                                            last_decision_id, matching, media_key, operator_summary,
-                                            page_of)
+                                            last_decision_id, matching, media_key, operator_summary, page_of)
+from clipmill.jobs.review.preview import PreviewError, Previews, jpeg, queue_prompt
 from clipmill.qc.margin import REASON_KINDS
 from clipmill.storage import LocalStorage, open_storage
 
@@ -45,10 +50,12 @@ MEDIA_TYPES = {"clip": "video/mp4", "poster": "image/jpeg", "sheet": "image/png"
 
 
 def create_app(db: Database, token: str | None = None, default_batch: str | None = None,
-               send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None) -> FastAPI:
+               send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
+               previews: Previews | None = None, preview_queue: dict | None = None) -> FastAPI:
     """The review app. A shot re-rendered from the page is sent to the farm's render queue by
     ``send_render(job_ids)`` (farm mode; it returns what to tell the operator), else rendered
-    and its ad reassembled in this process by ``runner``."""
+    and its ad reassembled in this process by ``runner``. ``previews`` streams the /preview
+    page; "queue this" submits with ``preview_queue`` (model, out)."""
     app = FastAPI(title="clipmill review", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -160,6 +167,69 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
             return {"changed": res.changed, "skipped": skipped + res.skipped}
 
         return answer(request, bulk)
+
+    @app.get("/preview")
+    def preview_page(request: Request, prompt: str = ""):
+        if previews is None:
+            raise HTTPException(404, "this review server has no preview (start it with clipmill review or clipmill preview)")
+        return page(request, "preview.html", {"prompt": prompt})
+
+    @app.get("/preview/stream")
+    async def preview_stream(request: Request, prompt: str, seed: int = 0):
+        """Server-Sent Events: one ``session`` event, then a ``frame`` event per frame (JPEG as
+        base64, index, prompt, steps, tier); the stream ends when the page goes away."""
+        if previews is None:
+            raise HTTPException(404, "no preview on this server")
+        try:
+            session = await asyncio.to_thread(previews.open, prompt, seed)
+        except PreviewError as e:
+            raise HTTPException(400, str(e))
+
+        async def events():
+            try:
+                yield f"event: session\ndata: {json.dumps({'session': session.id, 'seed': seed})}\n\n"
+                t_next = time.perf_counter()
+                while not session.closed:
+                    if await request.is_disconnected():
+                        break
+                    frames, info = await asyncio.to_thread(session.step)
+                    for f in frames:
+                        data = {"index": f.index, "prompt": f.prompt, "jpeg": base64.b64encode(jpeg(f.image)).decode(),
+                                **info}
+                        yield f"event: frame\ndata: {json.dumps(data)}\n\n"
+                        # frames go out at the frame-time budget, not in bursts of a call's frames
+                        t_next = max(t_next + previews.budget_s, time.perf_counter() - previews.budget_s)
+                        await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+            finally:
+                previews.close(session.id)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/preview/{sid}/prompt")
+    def preview_steer(request: Request, sid: str, prompt: str = Form(...), csrf: str = Form(...)):
+        check_post(request, csrf)
+        try:
+            return previews.steer(sid, prompt)
+        except (PreviewError, AttributeError) as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+
+    @app.post("/preview/{sid}/queue")
+    def preview_queue_this(request: Request, sid: str, tier: str = Form("fast"), csrf: str = Form(...)):
+        check_post(request, csrf)
+        try:
+            s = previews.get(sid)
+            return queue_prompt(db, s.prompt, s.seed, tier, **(preview_queue or {"model": "shapes", "out": "clipmill-out"}))
+        except (PreviewError, BadOption, ValueError) as e:
+            return JSONResponse({"error": str(e)}, status_code=400)
+
+    @app.get("/api/preview")
+    def preview_state():
+        if previews is None:
+            return {"active": 0, "sessions": []}
+        return {"active": previews.active, "sessions": [
+            {"session": s.id, "prompt": s.prompt, "frames": s.frames, "steps": s.stream.steps,
+             "tier": s.scheduler.tier.name} for s in previews.sessions.values() if not s.closed]}
 
     @app.get("/api/operators/{batch_id}")
     def operators(batch_id: str):
@@ -273,7 +343,9 @@ def _query(v: View) -> str:
 
 
 def serve(db: Database, host: str, port: int, token: str | None, batch: str | None,
-          send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None) -> None:
+          send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
+          previews: Previews | None = None, preview_queue: dict | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(db, token, batch, send_render, runner), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(db, token, batch, send_render, runner, previews, preview_queue), host=host, port=port,
+                log_level="warning")

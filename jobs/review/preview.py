@@ -1,0 +1,161 @@
+"""The streaming preview behind the review server's /preview page and `clipmill preview`.
+
+One preview streams at a time in this process (the model is shared): a session holds a
+``pipeline.stream.StreamBatch`` and a ``pipeline.adaptive.FrameScheduler`` that sets the steps
+of every call from the measured frame times. The page steers the prompt of the running session,
+and can queue it (prompt, seed, tier) as a one-job batch. A session ends when its page goes
+away: the stream's hook comes off the model and the next preview may start.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from clipmill.jobs.core.batches import SubmitOptions, submit
+from clipmill.jobs.core.db import Database
+from clipmill.pipeline.adaptive import AdaptiveConfig, FrameScheduler, PreviewTier
+from clipmill.pipeline.stream import StreamBatch
+
+# the preview's quality tiers for a 64 x 64 model (it draws well at its own size only): the
+# steps each frame gets, and the batch tier "queue this" asks for
+PREVIEW_TIERS = (PreviewTier("quality", 64, 4, 8), PreviewTier("fast", 64, 2, 4), PreviewTier("draft", 64, 1, 2))
+BATCH_TIER = {"quality": "quality", "fast": "fast", "draft": "fast"}
+MAX_PROMPT = 500
+
+
+class PreviewError(ValueError):
+    pass
+
+
+@dataclass
+class Session:
+    id: str
+    stream: StreamBatch
+    scheduler: FrameScheduler
+    seed: int
+    started: float = field(default_factory=time.monotonic)
+    frames: int = 0
+    pending_prompt: str | None = None
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def prompt(self) -> str:
+        return self.pending_prompt or self.stream.prompt
+
+    def step(self) -> tuple[list, dict]:
+        """One call of the stream at the steps the scheduler plans; the frames it finished and
+        what the page shows about them."""
+        with self.lock:
+            if self.closed:
+                return [], {}
+            if self.pending_prompt is not None:
+                self.stream.set_prompt(self.pending_prompt)
+                self.pending_prompt = None
+            plan = self.scheduler.plan()
+            if plan.steps != self.stream.steps:
+                self.stream.set_steps(plan.steps)
+            t0 = time.perf_counter()
+            out = self.stream.next()
+            call_s = time.perf_counter() - t0
+            if out:
+                self.scheduler.record(call_s / len(out), self.stream.steps)
+            self.frames += len(out)
+            return out, {"steps": self.stream.steps, "tier": plan.tier.name, "call_ms": round(call_s * 1000, 1),
+                         "switched": plan.switched, "reason": plan.reason}
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.stream.close()
+
+
+class Previews:
+    """The process's preview sessions: at most one streaming, the renderer loaded once."""
+
+    def __init__(self, make_renderer: Callable[[], object], budget_s: float = 0.125):
+        self._make_renderer = make_renderer
+        self._renderer = None
+        self.budget_s = budget_s
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> int:
+        return sum(not s.closed for s in self.sessions.values())
+
+    def open(self, prompt: str, seed: int = 0) -> Session:
+        prompt = check_prompt(prompt)
+        with self._lock:
+            for s in list(self.sessions.values()):  # one stream at a time: the newest page wins
+                s.close()
+            self.sessions.clear()
+            if self._renderer is None:
+                self._renderer = self._make_renderer()
+            sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=self.budget_s))
+            stream = StreamBatch(self._renderer, prompt, seed=seed, steps=PREVIEW_TIERS[0].min_steps)
+            session = Session(secrets.token_urlsafe(9), stream, sched, seed)
+            self.sessions[session.id] = session
+            return session
+
+    def get(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None or s.closed:
+            raise PreviewError(f"preview {sid!r} is not streaming (closed, or replaced by a newer page); reload")
+        return s
+
+    def close(self, sid: str) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            s.close()
+
+    def steer(self, sid: str, prompt: str) -> dict:
+        s = self.get(sid)
+        s.pending_prompt = check_prompt(prompt)
+        return {"session": sid, "prompt": s.pending_prompt}
+
+
+def check_prompt(prompt: str) -> str:
+    prompt = (prompt or "").strip()
+    if not prompt:
+        raise PreviewError("prompt: empty; type what the clip should show")
+    if len(prompt) > MAX_PROMPT:
+        raise PreviewError(f"prompt: {len(prompt)} characters; at most {MAX_PROMPT}")
+    return prompt
+
+
+def jpeg(image: np.ndarray, side: int = 256) -> bytes:
+    """A frame as JPEG, scaled up (nearest) for the page."""
+    import cv2
+
+    big = cv2.resize(image, (side, side), interpolation=cv2.INTER_NEAREST)
+    ok, buf = cv2.imencode(".jpg", cv2.cvtColor(big, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 85])
+    return buf.tobytes()
+
+
+def queue_prompt(db: Database, prompt: str, seed: int, tier: str, model: str, out: str) -> dict:
+    """Queue a previewed prompt as a one-job batch (its seed and the batch tier of the preview
+    tier), through the same row checks as any batch file."""
+    if tier not in BATCH_TIER:
+        raise PreviewError(f"tier {tier!r}: allowed {', '.join(BATCH_TIER)}")
+    prompt = check_prompt(prompt)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["prompt", "seed", "tier"])
+    w.writerow([prompt, seed, BATCH_TIER[tier]])
+    with tempfile.TemporaryDirectory(prefix="clipmill-preview-") as tmp:
+        path = Path(tmp) / "preview.csv"
+        path.write_text(buf.getvalue(), encoding="utf-8")
+        res = submit(db, path, SubmitOptions(model=model, out=out, batch=f"preview-{time.strftime('%Y%m%d-%H%M%S')}"))
+    return {"batch": res.batch_id, "jobs": res.job_ids, "prompt": prompt, "seed": seed, "tier": BATCH_TIER[tier]}
