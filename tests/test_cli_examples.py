@@ -7,7 +7,7 @@ find what earlier ones made (the batch `ad-batch-20261129-210000` is submitted f
 examples/ad-batch.csv). Nothing in a command is swapped, except the broker host `queue` of
 the farm examples, which is a private redis-server on loopback here.
 
-- Commands that serve until stopped (review, worker, beat) run until their first output.
+- Commands that serve until stopped (review, preview, worker, beat) run until their first output.
 - Measurements and training that take minutes (qc --bench, interpolate --bench, bench,
   train-model) run for a few
   seconds and must still be running cleanly (or have finished with 0).
@@ -53,6 +53,7 @@ ORDER = [
     "clipmill cancel",
     "CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill reconcile",
     "clipmill review",
+    "clipmill preview",
     "CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill worker",
     "CLIPMILL_BROKER_URL=redis://queue:6379/0 CLIPMILL_NIGHTLY_AT=21:00 clipmill beat",
     "clipmill qc --bench",
@@ -60,7 +61,8 @@ ORDER = [
     "clipmill bench",
     "clipmill train-model",
 ]
-SERVE = {"clipmill review": "review at http://", "clipmill worker": " ready.", "clipmill beat": "beat: "}
+SERVE = {"clipmill review": "review at http://", "clipmill preview": "preview at http://", "clipmill worker": " ready.",
+         "clipmill beat": "beat: "}
 LONG = ("clipmill qc --bench", "clipmill interpolate --bench", "clipmill bench", "clipmill train-model")
 
 

@@ -62,10 +62,14 @@ from clipmill.pipeline.models import SHAPES, ModelError
               help="--review: jobs in the whole table (the batch and other batches).")
 @click.option("--pg", "pg_url", envvar="CLIPMILL_BENCH_PG_URL", default=None, metavar="URL",
               help="--review: also time pages on this PostgreSQL (a schema of its own, dropped afterwards).")
+@click.option("--preview", is_flag=True,
+              help="Instead of the ladder: the streaming preview on the shapes model: time to first frame, frames per "
+                   "second per tier, frame-time stability (fixed steps against the adaptive scheduler) while a second "
+                   "process takes a core for 10 s of a 40 s stream, and the stream's seams against a whole clip.")
 @qc_config_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole result as JSON.")
 def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, device, prompts, quality_clips, failures,
-              adherence, assembly, delivery, seams, review, review_jobs, table_jobs, pg_url, qc_cfg, as_json):
+              adherence, assembly, delivery, seams, review, review_jobs, table_jobs, pg_url, preview, qc_cfg, as_json):
     """Measure the speed ladder: 50-step baseline to distilled, cached, batched rendering.
 
     Every row is measured side by side in this one run: seconds per clip (render and end to
@@ -85,6 +89,7 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
       clipmill bench --delivery
       clipmill bench --seams --quality-clips 12
       clipmill bench --review --pg postgresql+psycopg://127.0.0.1/test
+      clipmill bench --preview
       clipmill bench --model tiny --json
       clipmill bench --model tiny --size 64 --frames 8 --prompts shapes --quality-clips 8 --clips 4 --repeat 1
       clipmill bench --model tiny --size 64 --frames 8 --failures --quality-clips 4
@@ -97,6 +102,9 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
         return
     if review:
         _review_bench(review_jobs, table_jobs, pg_url, as_json)
+        return
+    if preview:
+        _preview_bench(as_json)
         return
     from clipmill.jobs.bench.ladder import bench
     from clipmill.pipeline.shapes import ATTRIBUTES
@@ -216,6 +224,33 @@ def _adherence(info, device, clips, qc_cfg, as_json) -> None:
                   "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['render_s_per_clip']:.3f}")
     out.print(t)
 
+
+
+def _preview_bench(as_json: bool) -> None:
+    from rich.table import Table
+
+    from clipmill.jobs.bench.preview import preview_bench
+
+    res = preview_bench()
+    if as_json:
+        click.echo(json.dumps(res))
+        return
+    out.print(f"time to first frame {res['first_frame_ms']} ms (warm model); frames per second: "
+              + ", ".join(f"{k} {v}" for k, v in res["fps"].items()), soft_wrap=True, markup=False, highlight=False)
+    t = Table("steps", "P50 ms", "P95 ms", "std ms", "tier switches", "dropped", "analyzer (colour/shape/bg) per tier",
+              title=f"paced to {res['budget_ms']} ms a frame, a second process on a core for 10 s of 40 s")
+    for name in ("fixed", "adaptive"):
+        r = res[name]
+        reads = "; ".join(f"{k} {'/'.join(str(round(v * 100)) for v in a.values())}" for k, a in r["adherence_by_tier"].items())
+        t.add_row(name, str(r["p50_ms"]), str(r["p95_ms"]), str(r["std_ms"]),
+                  ", ".join(f"{a}->{b}" for a, b in r["switches"]) or "none", str(r["dropped"]), reads)
+    out.print(t)
+    s = res["seams"]
+    out.print(f"std ratio fixed/adaptive {res['std_ratio']}x; adaptive P95 {res['p95_over_budget']:+.1%} of the budget; "
+              f"seams: stream pair SSIM median {s['stream_pair_ssim_median']} (min {s['stream_pair_ssim_min']}) against "
+              f"a whole clip's {s['clip_pair_ssim_median']} (min {s['clip_pair_ssim_min']}); QC finds "
+              f"{s['cuts_in_stream']} cut(s) in {s['stream_frames']} stream frames", soft_wrap=True, markup=False,
+              highlight=False)
 
 
 def _review_bench(jobs: int, table_jobs: int, pg_url: str | None, as_json: bool) -> None:

@@ -57,12 +57,14 @@ def _serve(db, host: str, port: int, token: str | None, batch: str | None, model
     model = model or os.environ.get("CLIPMILL_MODEL") or "shapes"
     out_root = os.environ.get("CLIPMILL_OUT") or "clipmill-out"
 
-    def renderer():
+    def renderer():  # frames decoded with the folder's tiny autoencoder when it has one
         from clipmill.jobs.runner.stages import default_device
         from clipmill.pipeline.models import model_info
-        from clipmill.pipeline.render import Renderer
+        from clipmill.pipeline.render import Renderer, RenderOptions
 
-        return Renderer(model_info(model), device=settings().device or default_device())
+        info = model_info(model)
+        return Renderer(info, device=settings().device or default_device(),
+                        options=RenderOptions(decoder="tiny" if info.has_tiny_vae else "vae"))
 
     send_render, runner = _rerenders(db)
     serve(db, host, port, token, batch, send_render, runner, Previews(renderer), {"model": model, "out": out_root})
@@ -83,7 +85,7 @@ def preview(prompt, model, port):
     \b
     Example:
       clipmill preview "a red circle moves right on a beige background, pan right"
-      clipmill preview "a bowl of ramen, steam rising" --model ./models/animatediff-lightning
+      clipmill preview "a bowl of ramen, steam rising" --model tiny --port 8001
     """
     from urllib.parse import quote
 
