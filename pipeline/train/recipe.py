@@ -77,8 +77,8 @@ FULL = Recipe(
     name="full",
     vae=StageConfig(steps=2500, batch=32, lr=1e-3, ckpt_every=100, log_every=25, eval_every=500),
     text=StageConfig(steps=600, batch=64, lr=1e-3, ckpt_every=100, log_every=50),
-    teacher=StageConfig(steps=17500, batch=8, lr=1e-3, ckpt_every=100, log_every=50, eval_every=1000),
-    student=StageConfig(steps=2000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
+    teacher=StageConfig(steps=15000, batch=8, lr=1e-3, ckpt_every=100, log_every=50, eval_every=1000),
+    student=StageConfig(steps=1000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
     denoiser=DenoiserConfig(unet=nets.TEACHER, pool_clips=16384, noise_shared=0.5, prior_from=13000),
 )
 # Every stage for a few steps with small networks: checks the whole chain in minutes. Its model
