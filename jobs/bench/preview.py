@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 
@@ -44,28 +46,23 @@ def _stats(intervals: list[float]) -> dict:
 
 def paced_run(r: Renderer, seconds: float, budget_s: float, load_at: float, load_s: float, adaptive: bool,
               seed: int = 1) -> dict:
-    """One paced stream (as the preview server delivers it): frames go out no sooner than one
-    budget apart; ``adaptive`` plans the steps, else every frame gets the best tier's most."""
+    """One paced stream: a producer thread renders (``adaptive`` plans the steps, else every
+    frame gets the best tier's most) into a queue, and frames are delivered from it no sooner
+    than one budget apart, so a call that finishes several frames does not stall delivery."""
     sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=budget_s))
     best = PREVIEW_TIERS[0].max_steps
     sb = StreamBatch(r, PROMPT, seed=seed, steps=best)
-    spinner = None
-    delivered: list[float] = []
-    by_tier: dict[str, list[np.ndarray]] = {}
-    dropped = 0
-    try:
-        t0 = time.perf_counter()
-        t_next = t0
-        while time.perf_counter() - t0 < seconds:
-            now = time.perf_counter() - t0
-            if spinner is None and now >= load_at:  # the load: a second process takes a core
-                spinner = subprocess.Popen([sys.executable, "-c", SPIN.format(s=load_s)])
+    frames_q: queue.Queue = queue.Queue(maxsize=2 * sb.window)
+    stop = threading.Event()
+    dropped = [0]
+
+    def produce() -> None:
+        while not stop.is_set():
             tier = PREVIEW_TIERS[0].name
             if adaptive:
                 plan = sched.plan()
                 tier = plan.tier.name
-                if plan.drop:
-                    dropped += 1
+                dropped[0] += plan.drop
                 if plan.steps != sb.steps:
                     sb.set_steps(plan.steps)
             c = time.perf_counter()
@@ -74,18 +71,42 @@ def paced_run(r: Renderer, seconds: float, budget_s: float, load_at: float, load
             if frames and adaptive:
                 sched.record(call / len(frames), sb.steps)
             for f in frames:
-                t_next = max(t_next + budget_s, time.perf_counter())
-                wait = t_next - time.perf_counter()
-                if wait > 0:
-                    time.sleep(wait)
-                delivered.append(time.perf_counter())
-                by_tier.setdefault(tier, []).append(f.image)
+                while not stop.is_set():
+                    try:
+                        frames_q.put((tier, f.image), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+
+    producer = threading.Thread(target=produce, daemon=True)
+    spinner = None
+    delivered: list[float] = []
+    by_tier: dict[str, list[np.ndarray]] = {}
+    try:
+        t0 = time.perf_counter()
+        producer.start()
+        t_next = t0
+        while time.perf_counter() - t0 < seconds:
+            if spinner is None and time.perf_counter() - t0 >= load_at:  # the load: a second process takes a core
+                spinner = subprocess.Popen([sys.executable, "-c", SPIN.format(s=load_s)])
+            try:
+                tier, image = frames_q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            t_next = max(t_next + budget_s, time.perf_counter())
+            wait = t_next - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            delivered.append(time.perf_counter())
+            by_tier.setdefault(tier, []).append(image)
     finally:
+        stop.set()
+        producer.join()
         sb.close()
         if spinner is not None:
             spinner.wait()
     out = _stats(list(np.diff(delivered)))
-    out.update(switches=[(a, b) for _, a, b in sched.switches] if adaptive else [], dropped=dropped,
+    out.update(switches=[(a, b) for _, a, b in sched.switches] if adaptive else [], dropped=dropped[0],
                frames_by_tier={k: len(v) for k, v in by_tier.items()})
     spec = shapes.parse(PROMPT)
     reads = {}

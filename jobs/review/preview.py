@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import queue
 import secrets
 import tempfile
 import threading
@@ -74,6 +75,44 @@ class Session:
             return out, {"steps": self.stream.steps, "tier": plan.tier.name, "call_ms": round(call_s * 1000, 1),
                          "switched": plan.switched, "reason": plan.reason}
 
+    def start(self) -> None:
+        """Render ahead in a thread of its own into a small queue (one window of frames), so a
+        call that finishes several frames at once does not stall their delivery at the budget."""
+        self.frames_q: queue.Queue = queue.Queue(maxsize=self.stream.window)
+        self._producer = threading.Thread(target=self._produce, name=f"clipmill-preview-{self.id}", daemon=True)
+        self._producer.start()
+
+    def _produce(self) -> None:
+        while not self.closed:
+            try:
+                frames, info = self.step()
+            except Exception as e:  # noqa: BLE001 - the page is told, the session ends
+                self.frames_q.put((None, {"error": f"{e.__class__.__name__}: {e}"}))
+                return
+            for f in frames:
+                while not self.closed:
+                    try:
+                        self.frames_q.put((f, info), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+
+    def flush(self) -> None:
+        """Drop the frames rendered ahead under the old prompt (a steer shows the new one sooner)."""
+        while True:
+            try:
+                self.frames_q.get_nowait()
+            except queue.Empty:
+                return
+
+    def next_frame(self, timeout: float = 0.5):
+        """The next rendered frame and what the page shows about it, or (None, {}) after
+        ``timeout`` seconds without one."""
+        try:
+            return self.frames_q.get(timeout=timeout)
+        except queue.Empty:
+            return None, {}
+
     def close(self) -> None:
         with self.lock:
             if not self.closed:
@@ -107,6 +146,7 @@ class Previews:
             stream = StreamBatch(self._renderer, prompt, seed=seed, steps=PREVIEW_TIERS[0].min_steps)
             session = Session(secrets.token_urlsafe(9), stream, sched, seed)
             self.sessions[session.id] = session
+            session.start()
             return session
 
     def get(self, sid: str) -> Session:
@@ -123,6 +163,7 @@ class Previews:
     def steer(self, sid: str, prompt: str) -> dict:
         s = self.get(sid)
         s.pending_prompt = check_prompt(prompt)
+        s.flush()
         return {"session": sid, "prompt": s.pending_prompt}
 
 

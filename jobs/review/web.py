@@ -192,14 +192,17 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
                 while not session.closed:
                     if await request.is_disconnected():
                         break
-                    frames, info = await asyncio.to_thread(session.step)
-                    for f in frames:
-                        data = {"index": f.index, "prompt": f.prompt, "jpeg": base64.b64encode(jpeg(f.image)).decode(),
-                                **info}
-                        yield f"event: frame\ndata: {json.dumps(data)}\n\n"
-                        # frames go out at the frame-time budget, not in bursts of a call's frames
-                        t_next = max(t_next + previews.budget_s, time.perf_counter() - previews.budget_s)
-                        await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                    f, info = await asyncio.to_thread(session.next_frame)  # rendered ahead by the session
+                    if f is None:
+                        if "error" in info:
+                            yield f"event: failed\ndata: {json.dumps(info)}\n\n"
+                            break
+                        continue
+                    data = {"index": f.index, "prompt": f.prompt, "jpeg": base64.b64encode(jpeg(f.image)).decode(), **info}
+                    # frames go out at the frame-time budget, not in bursts of a call's frames
+                    t_next = max(t_next + previews.budget_s, time.perf_counter())
+                    await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                    yield f"event: frame\ndata: {json.dumps(data)}\n\n"
             finally:
                 previews.close(session.id)
 
