@@ -134,9 +134,7 @@ def frames(tl: Timeline, size: tuple[int, int], method: str, pad_colour=(0, 0, 0
     (to measure the footage under a text)."""
     import cv2
 
-    w, h = size
-    if w % 2 or h % 2:
-        raise ValueError(f"size {w}x{h}: H.264 in yuv420p needs even width and height")
+    w, h = i420.check_size(size)
     starts, overlaps = tl.starts(), tl.overlaps()
     n_foot = starts[len(tl.shots)]
     overlays = [i420.Overlay.prepare(layer.rgba, layer.x, layer.y) for layer in tl.layers]
@@ -269,9 +267,7 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
     import av
     import cv2
 
-    w, h = size
-    if w % 2 or h % 2:
-        raise ValueError(f"size {w}x{h}: H.264 in yuv420p needs even width and height")
+    w, h = i420.check_size(size)
     with av.open(str(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
         vs = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"

@@ -21,6 +21,14 @@ _M = np.array([[66, 129, 25], [-38, -74, 112], [112, -94, -18]], np.int32)
 _OFF = np.array([16, 128, 128], np.int32)
 
 
+def check_size(size: tuple[int, int]) -> tuple[int, int]:
+    """``size`` (width, height) if both are even, as 4:2:0 needs; else ValueError."""
+    w, h = size
+    if w % 2 or h % 2:
+        raise ValueError(f"size {w}x{h}: H.264 in yuv420p needs even width and height")
+    return w, h
+
+
 def planes(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Views of an I420 frame's Y, U and V planes (writing them writes the frame)."""
     if not buf.flags.c_contiguous:

@@ -13,17 +13,14 @@
 
 from __future__ import annotations
 
-import queue
 import statistics
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 
 import numpy as np
 
-from clipmill.jobs.review.preview import PREVIEW_TIERS
+from clipmill.jobs.review.preview import PREVIEW_TIERS, Session
 from clipmill.pipeline import shapes
 from clipmill.pipeline.adaptive import AdaptiveConfig, FrameScheduler
 from clipmill.pipeline.models import model_info
@@ -46,67 +43,36 @@ def _stats(intervals: list[float]) -> dict:
 
 def paced_run(r: Renderer, seconds: float, budget_s: float, load_at: float, load_s: float, adaptive: bool,
               seed: int = 1) -> dict:
-    """One paced stream: a producer thread renders (``adaptive`` plans the steps, else every
-    frame gets the best tier's most) into a queue, and frames are delivered from it no sooner
-    than one budget apart, so a call that finishes several frames does not stall delivery."""
-    sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=budget_s))
-    best = PREVIEW_TIERS[0].max_steps
-    sb = StreamBatch(r, PROMPT, seed=seed, steps=best)
-    frames_q: queue.Queue = queue.Queue(maxsize=2 * sb.window)
-    stop = threading.Event()
-    dropped = [0]
-
-    def produce() -> None:
-        while not stop.is_set():
-            tier = PREVIEW_TIERS[0].name
-            if adaptive:
-                plan = sched.plan()
-                tier = plan.tier.name
-                dropped[0] += plan.drop
-                if plan.steps != sb.steps:
-                    sb.set_steps(plan.steps)
-            c = time.perf_counter()
-            frames = sb.next()
-            call = time.perf_counter() - c
-            if frames and adaptive:
-                sched.record(call / len(frames), sb.steps)
-            for f in frames:
-                while not stop.is_set():
-                    try:
-                        frames_q.put((tier, f.image), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-
-    producer = threading.Thread(target=produce, daemon=True)
+    """One stream as the preview server delivers it (``preview.Session``: rendered ahead in its
+    own thread, ``adaptive`` planning the steps, else every call at the best tier's most),
+    frames taken no sooner than one budget apart."""
+    sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=budget_s)) if adaptive else None
+    session = Session("bench", StreamBatch(r, PROMPT, seed=seed, steps=PREVIEW_TIERS[0].max_steps), sched, seed)
     spinner = None
     delivered: list[float] = []
     by_tier: dict[str, list[np.ndarray]] = {}
+    dropped = 0
     try:
         t0 = time.perf_counter()
-        producer.start()
+        session.start()
         t_next = t0
         while time.perf_counter() - t0 < seconds:
             if spinner is None and time.perf_counter() - t0 >= load_at:  # the load: a second process takes a core
                 spinner = subprocess.Popen([sys.executable, "-c", SPIN.format(s=load_s)])
-            try:
-                tier, image = frames_q.get(timeout=0.5)
-            except queue.Empty:
+            f, info = session.next_frame()
+            if f is None:
                 continue
             t_next = max(t_next + budget_s, time.perf_counter())
-            wait = t_next - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
+            time.sleep(max(0.0, t_next - time.perf_counter()))
             delivered.append(time.perf_counter())
-            by_tier.setdefault(tier, []).append(image)
+            by_tier.setdefault(info["tier"], []).append(f.image)
+            dropped += info["drop"]
     finally:
-        stop.set()
-        producer.join()
-        sb.close()
+        session.close()
         if spinner is not None:
             spinner.wait()
     out = _stats(list(np.diff(delivered)))
-    out.update(switches=[(a, b) for _, a, b in sched.switches] if adaptive else [], dropped=dropped[0],
+    out.update(switches=[(a, b) for _, a, b in sched.switches] if sched else [], dropped=dropped,
                frames_by_tier={k: len(v) for k, v in by_tier.items()})
     spec = shapes.parse(PROMPT)
     reads = {}
@@ -168,5 +134,4 @@ def preview_bench(seconds: float = 40.0, load_s: float = 10.0, threads: int = 2)
                     "clip_pair_ssim_median": round(float(np.median(s_clip.ssim)), 4),
                     "clip_pair_ssim_min": round(float(np.min(s_clip.ssim)), 4),
                     "cuts_in_stream": int(spike_mask(s_stream, QCConfig()).sum())}
-    res["tiers_used"] = dict(Counter(res["adaptive"]["frames_by_tier"]))
     return res

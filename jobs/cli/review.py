@@ -54,8 +54,10 @@ def _serve(db, host: str, port: int, token: str | None, batch: str | None, model
     from clipmill.jobs.review.preview import Previews
     from clipmill.jobs.review.web import serve
 
-    model = model or os.environ.get("CLIPMILL_MODEL") or "shapes"
-    out_root = os.environ.get("CLIPMILL_OUT") or "clipmill-out"
+    from clipmill.pipeline.models import SHAPES
+
+    env = settings()
+    model = model or os.environ.get("CLIPMILL_MODEL") or SHAPES
 
     def renderer():  # frames decoded with the folder's tiny autoencoder when it has one
         from clipmill.jobs.runner.stages import default_device
@@ -63,11 +65,11 @@ def _serve(db, host: str, port: int, token: str | None, batch: str | None, model
         from clipmill.pipeline.render import Renderer, RenderOptions
 
         info = model_info(model)
-        return Renderer(info, device=settings().device or default_device(),
+        return Renderer(info, device=env.device or default_device(),
                         options=RenderOptions(decoder="tiny" if info.has_tiny_vae else "vae"))
 
-    send_render, runner = _rerenders(db)
-    serve(db, host, port, token, batch, send_render, runner, Previews(renderer), {"model": model, "out": out_root})
+    send_render, runner = _rerenders(db, env)
+    serve(db, host, port, token, batch, send_render, runner, Previews(renderer, model, env.out))
 
 
 @click.command()
@@ -100,12 +102,11 @@ def preview(prompt, model, port):
     _serve(db, "127.0.0.1", port, None, None, model)
 
 
-def _rerenders(db):
+def _rerenders(db, s):
     """Where a shot re-rendered from the page goes: the farm's render queue when
-    CLIPMILL_BROKER_URL is set, else a thread of this server (the model loads on first use)."""
-    from clipmill.jobs.cli.common import redact_url, settings
-
-    s = settings()
+    CLIPMILL_BROKER_URL is set (``s``: the settings), else a thread of this server (the model
+    loads on first use)."""
+    from clipmill.jobs.cli.common import redact_url
     if s.broker_url:
         def send(job_ids: list[int]) -> str:
             from clipmill.jobs.farm.dispatch import BrokerDown, send_render

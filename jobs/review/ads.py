@@ -18,7 +18,7 @@ from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, AdDecision, Attempt, Batch, Job
 from clipmill.jobs.core.queue import now
 from clipmill.jobs.core.states import JobState, MoveConflict, move_job
-from clipmill.jobs.review.decisions import MAX_NOTE, DecisionConflict, ReviewError, shown_attempt
+from clipmill.jobs.review.decisions import DecisionConflict, ReviewError, clean_note, hm, shown_attempt
 
 AD_FILTERS = ("all", "done", "approved", "declined", "rejected", "open")
 OPEN_STATES = ("waiting", "assembling")
@@ -162,20 +162,13 @@ def ads(db: Database, batch_id: str, filter_name: str = "all", page: int = 1, pe
     return out
 
 
-def _clean(note: str, operator: str) -> tuple[str, str]:
-    note = (note or "").strip()
-    if len(note) > MAX_NOTE:
-        raise ReviewError(f"note: {len(note)} characters; at most {MAX_NOTE}")
-    return note, (operator or "").strip()[:120] or "operator"
-
-
 def _locked_ad(s, ad_id: int, version: int) -> Ad:
     ad = s.get(Ad, ad_id)
     if ad is None:
         raise ReviewError(f"ad {ad_id}: no such ad")
     if ad.version != version:
         last = s.scalars(select(AdDecision).where(AdDecision.ad_id == ad_id).order_by(AdDecision.id.desc())).first()
-        who = f" by {last.operator} at {last.created_at.strftime('%H:%M:%S')}" if last else ""
+        who = f" by {last.operator} at {hm(last.created_at)}" if last else ""
         raise DecisionConflict(f"ad {ad_id} changed since you loaded it: it is now {ad.state}{who}; reload to see it")
     return ad
 
@@ -191,7 +184,7 @@ def decide_ad(db: Database, ad_id: int, version: int, decision: str, note: str =
     """Approve or decline ``ad_id`` if it is still at ``version``; returns its new state."""
     if decision not in AD_DECISIONS:
         raise ReviewError(f"decision {decision!r}: allowed approve, decline")
-    note, operator = _clean(note, operator)
+    note, operator = clean_note(note, operator)
     dst = AD_DECISIONS[decision]
     with db.session() as s, s.begin():
         ad = _locked_ad(s, ad_id, version)
@@ -213,7 +206,7 @@ def rerender_shot(db: Database, ad_id: int, shot: int, version: int, note: str =
     """Queue shot ``shot`` of ``ad_id`` again (every job rendering it; each next attempt has a
     new seed) and send the ad back to ``waiting``, if the ad is still at ``version``. Returns
     the ad's new state and version and the jobs queued."""
-    note, operator = _clean(note, operator)
+    note, operator = clean_note(note, operator)
     with db.session() as s, s.begin():
         ad = _locked_ad(s, ad_id, version)
         if ad.state not in RERENDER_FROM:
@@ -239,6 +232,14 @@ def rerender_shot(db: Database, ad_id: int, shot: int, version: int, note: str =
                          operator=operator))
         batch_id = ad.batch_id
     return {"ad": ad_id, "state": "waiting", "version": version + 1, "jobs": ids, "batch": batch_id}
+
+
+def states(db: Database, batch_id: str) -> list[dict]:
+    """Each ad's state and version: what the ad page polls while an ad is made again."""
+    is_ad_batch(db, batch_id)
+    with db.session() as s:
+        return [{"ad": i, "state": st, "version": v} for i, st, v in
+                s.execute(select(Ad.id, Ad.state, Ad.version).where(Ad.batch_id == batch_id).order_by(Ad.id))]
 
 
 def ad_media_key(db: Database, ad_id: int, fmt: str, kind: str) -> tuple[str, str] | None:

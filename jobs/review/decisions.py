@@ -214,10 +214,7 @@ def decide(db: Database, job_id: int, version: int, decision: str, note: str, op
     """Approve or decline ``job_id`` if it is still at ``version``; returns its new state."""
     if decision not in DECISIONS:
         raise ReviewError(f"decision {decision!r}: allowed approve, decline")
-    note = (note or "").strip()
-    if len(note) > MAX_NOTE:
-        raise ReviewError(f"note: {len(note)} characters; at most {MAX_NOTE}")
-    operator = (operator or "").strip()[:120] or "operator"
+    note, operator = clean_note(note, operator)
     dst = DECISIONS[decision]
     with db.session() as s, s.begin():
         job = s.get(Job, job_id)
@@ -226,7 +223,7 @@ def decide(db: Database, job_id: int, version: int, decision: str, note: str, op
         src = JobState(job.state)
         if job.version != version:
             last = s.scalars(select(Decision).where(Decision.job_id == job_id).order_by(Decision.id.desc())).first()
-            who = f" by {last.operator} at {_hm(last.created_at)}" if last else ""
+            who = f" by {last.operator} at {hm(last.created_at)}" if last else ""
             raise DecisionConflict(
                 f"job {job_id} changed since you loaded it: it is now {job.state}{who}; reload to see it"
             )
@@ -248,7 +245,16 @@ def decide(db: Database, job_id: int, version: int, decision: str, note: str, op
         return {"job": job_id, "state": dst.value, "version": version + 1}
 
 
-def _hm(t: datetime) -> str:
+def clean_note(note: str, operator: str) -> tuple[str, str]:
+    """A decision's note (stripped, at most MAX_NOTE characters, else ReviewError) and its
+    operator's name (at most 120 characters; "operator" when empty)."""
+    note = (note or "").strip()
+    if len(note) > MAX_NOTE:
+        raise ReviewError(f"note: {len(note)} characters; at most {MAX_NOTE}")
+    return note, (operator or "").strip()[:120] or "operator"
+
+
+def hm(t: datetime) -> str:
     return t.strftime("%H:%M:%S")
 
 
@@ -324,7 +330,7 @@ def matching(db: Database, batch_id: str, view: View, loaded_at: datetime, snaps
         if job_id not in reported:
             reported.add(job_id)
             skipped.append({"job": job_id, "reason": f"job {job_id} changed since you loaded it: it is now {state} "
-                                                      f"by {operator} at {_hm(at)}; reload to see it"})
+                                                      f"by {operator} at {hm(at)}; reload to see it"})
     return take, skipped
 
 

@@ -42,9 +42,8 @@ class PreviewError(ValueError):
 class Session:
     id: str
     stream: StreamBatch
-    scheduler: FrameScheduler
+    scheduler: FrameScheduler | None  # None: every call at the stream's own steps (fixed)
     seed: int
-    started: float = field(default_factory=time.monotonic)
     frames: int = 0
     pending_prompt: str | None = None
     closed: bool = False
@@ -63,17 +62,18 @@ class Session:
             if self.pending_prompt is not None:
                 self.stream.set_prompt(self.pending_prompt)
                 self.pending_prompt = None
-            plan = self.scheduler.plan()
-            if plan.steps != self.stream.steps:
+            plan = self.scheduler.plan() if self.scheduler is not None else None
+            if plan is not None and plan.steps != self.stream.steps:
                 self.stream.set_steps(plan.steps)
             t0 = time.perf_counter()
             out = self.stream.next()
             call_s = time.perf_counter() - t0
-            if out:
+            if out and self.scheduler is not None:
                 self.scheduler.record(call_s / len(out), self.stream.steps)
             self.frames += len(out)
-            return out, {"steps": self.stream.steps, "tier": plan.tier.name, "call_ms": round(call_s * 1000, 1),
-                         "switched": plan.switched, "reason": plan.reason}
+            return out, {"steps": self.stream.steps, "tier": plan.tier.name if plan else PREVIEW_TIERS[0].name,
+                         "call_ms": round(call_s * 1000, 1), "switched": bool(plan and plan.switched),
+                         "drop": bool(plan and plan.drop), "reason": plan.reason if plan else "fixed steps"}
 
     def start(self) -> None:
         """Render ahead in a thread of its own into a small queue (one window of frames), so a
@@ -123,9 +123,10 @@ class Session:
 class Previews:
     """The process's preview sessions: at most one streaming, the renderer loaded once."""
 
-    def __init__(self, make_renderer: Callable[[], object], budget_s: float = 0.125):
+    def __init__(self, make_renderer: Callable[[], object], model: str, out: str, budget_s: float = 0.125):
         self._make_renderer = make_renderer
         self._renderer = None
+        self.model, self.out = model, out  # what "Queue this" submits with
         self.budget_s = budget_s
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -159,6 +160,11 @@ class Previews:
         s = self.sessions.pop(sid, None)
         if s is not None:
             s.close()
+
+    def queue(self, db: Database, sid: str, tier: str) -> dict:
+        """Queue the session's prompt, with its seed and ``tier``, as a one-job batch."""
+        s = self.get(sid)
+        return queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
 
     def steer(self, sid: str, prompt: str) -> dict:
         s = self.get(sid)

@@ -32,11 +32,12 @@ from sqlalchemy import select
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Batch
 from clipmill.jobs.core.preflight import BadOption
+from clipmill.jobs.core.prompts import BatchInvalid
 from clipmill.jobs.core.queue import now
 from clipmill.jobs.review import ads as ad_review
 from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, ReviewError, View, decide, decide_many,
                                             last_decision_id, matching, media_key, operator_summary, page_of)
-from clipmill.jobs.review.preview import PreviewError, Previews, jpeg, queue_prompt
+from clipmill.jobs.review.preview import PreviewError, Previews, jpeg
 from clipmill.qc.margin import REASON_KINDS
 from clipmill.storage import LocalStorage, open_storage
 
@@ -51,11 +52,11 @@ MEDIA_TYPES = {"clip": "video/mp4", "poster": "image/jpeg", "sheet": "image/png"
 
 def create_app(db: Database, token: str | None = None, default_batch: str | None = None,
                send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
-               previews: Previews | None = None, preview_queue: dict | None = None) -> FastAPI:
+               previews: Previews | None = None) -> FastAPI:
     """The review app. A shot re-rendered from the page is sent to the farm's render queue by
     ``send_render(job_ids)`` (farm mode; it returns what to tell the operator), else rendered
     and its ad reassembled in this process by ``runner``. ``previews`` streams the /preview
-    page; "queue this" submits with ``preview_queue`` (model, out)."""
+    page and queues what it shows."""
     app = FastAPI(title="clipmill review", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -168,18 +169,21 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
 
         return answer(request, bulk)
 
-    @app.get("/preview")
-    def preview_page(request: Request, prompt: str = ""):
+    def need_previews() -> Previews:
         if previews is None:
             raise HTTPException(404, "this review server has no preview (start it with clipmill review or clipmill preview)")
+        return previews
+
+    @app.get("/preview")
+    def preview_page(request: Request, prompt: str = ""):
+        need_previews()
         return page(request, "preview.html", {"prompt": prompt})
 
     @app.get("/preview/stream")
     async def preview_stream(request: Request, prompt: str, seed: int = 0):
         """Server-Sent Events: one ``session`` event, then a ``frame`` event per frame (JPEG as
         base64, index, prompt, steps, tier); the stream ends when the page goes away."""
-        if previews is None:
-            raise HTTPException(404, "no preview on this server")
+        need_previews()
         try:
             session = await asyncio.to_thread(previews.open, prompt, seed)
         except PreviewError as e:
@@ -213,17 +217,16 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
     def preview_steer(request: Request, sid: str, prompt: str = Form(...), csrf: str = Form(...)):
         check_post(request, csrf)
         try:
-            return previews.steer(sid, prompt)
-        except (PreviewError, AttributeError) as e:
+            return need_previews().steer(sid, prompt)
+        except PreviewError as e:
             return JSONResponse({"error": str(e)}, status_code=400)
 
     @app.post("/preview/{sid}/queue")
     def preview_queue_this(request: Request, sid: str, tier: str = Form("fast"), csrf: str = Form(...)):
         check_post(request, csrf)
         try:
-            s = previews.get(sid)
-            return queue_prompt(db, s.prompt, s.seed, tier, **(preview_queue or {"model": "shapes", "out": "clipmill-out"}))
-        except (PreviewError, BadOption, ValueError) as e:
+            return need_previews().queue(db, sid, tier)
+        except (PreviewError, BadOption, BatchInvalid) as e:  # the batch's own option and row checks
             return JSONResponse({"error": str(e)}, status_code=400)
 
     @app.get("/api/preview")
@@ -278,10 +281,10 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
     @app.get("/api/ads/{batch_id}")
     def ad_states(batch_id: str):
         try:
-            views = ad_review.ads(db, batch_id)
+            ads = ad_review.states(db, batch_id)
         except ReviewError as e:
             raise HTTPException(404, str(e))
-        return {"ads": [{"ad": a.ad_id, "state": a.state, "version": a.version} for a in views],
+        return {"ads": ads,
                 "background": runner is not None and runner.busy, "errors": list(runner.errors) if runner else []}
 
     @app.get("/ad-media/{ad_id}/{fmt}/{kind}")
@@ -326,7 +329,7 @@ def _view_of(params: dict) -> View:
                                                                         else str(raw))
             except ValueError:
                 raise ReviewError(f"{f.name} {raw!r}: expected a whole number")
-    return View(**kw).check()
+    return View(**kw)  # page_of and matching check it
 
 
 def _view(request: Request, state: str | None) -> View:
@@ -347,8 +350,7 @@ def _query(v: View) -> str:
 
 def serve(db: Database, host: str, port: int, token: str | None, batch: str | None,
           send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
-          previews: Previews | None = None, preview_queue: dict | None = None) -> None:
+          previews: Previews | None = None) -> None:
     import uvicorn
 
-    uvicorn.run(create_app(db, token, batch, send_render, runner, previews, preview_queue), host=host, port=port,
-                log_level="warning")
+    uvicorn.run(create_app(db, token, batch, send_render, runner, previews), host=host, port=port, log_level="warning")
