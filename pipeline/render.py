@@ -148,6 +148,18 @@ class Renderer:
             log.warning("%s", message)
 
     @contextlib.contextmanager
+    def using(self, options: RenderOptions):
+        """Render with ``options`` inside the ``with`` block and with the previous ones again
+        after it, whatever happens (a farm worker streams a preview between its groups this
+        way: the tiny decoder, no feature cache)."""
+        before = self.options
+        self.configure(options)
+        try:
+            yield self
+        finally:
+            self.configure(before)
+
+    @contextlib.contextmanager
     def counting(self):
         """Count the DiT blocks that really run (``blocks_run`` / ``blocks_skipped`` in each
         result's stats) for the renders inside the ``with`` block: what the bench measures. The

@@ -7,10 +7,14 @@ a message naming it elsewhere, so `make test` still passes on a laptop without o
 from __future__ import annotations
 
 import os
+import random
+import subprocess
+import sys
 import uuid
 
 import pytest
 
+REDIS = ("127.0.0.1", 6379)
 PG_URL = os.environ.get("CLIPMILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -101,3 +105,52 @@ def db(db_url):
     d = Database(db_url)
     yield d
     d.dispose()
+
+
+@pytest.fixture
+def broker():
+    """A Redis database of its own, emptied before and after."""
+    import redis
+
+    n = random.randint(1, 15)
+    r = redis.Redis(*REDIS, db=n)
+    try:
+        r.ping()
+    except Exception as e:  # noqa: BLE001
+        need_service(f"Redis at {REDIS[0]}:{REDIS[1]}", e)
+    r.flushdb()
+    yield f"redis://{REDIS[0]}:{REDIS[1]}/{n}"
+    r.flushdb()
+
+
+@pytest.fixture
+def farm(pg_url, broker, tmp_path, tiny_cache):
+    """A farm on this machine: ``(env, start, cli, db)``: start a ``clipmill worker`` with
+    ``start(*args)``, run a CLI command with ``cli(*args)``; the job table ``db`` on PostgreSQL."""
+    # one torch/OpenCV thread per process: render and post workers share 2 CI cores
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url, CLIPMILL_BROKER_URL=broker, CLIPMILL_DEVICE="cpu",
+               OMP_NUM_THREADS="1")
+    procs: list[subprocess.Popen] = []
+
+    def start(*args, extra_env=None):
+        log = open(tmp_path / f"worker-{len(procs)}.log", "w")
+        p = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "worker", *args, "--loglevel", "INFO"],
+                             env=dict(env, **(extra_env or {})), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(p)
+        return p
+
+    def cli(*args, extra_env=None, check=True):
+        proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", *args], env=dict(env, **(extra_env or {})),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        if check:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    from clipmill.jobs.core.db import Database
+    from services import stop
+
+    db = Database(pg_url)
+    yield env, start, cli, db
+    for p in procs:
+        stop(p)
+    db.dispose()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -18,52 +17,7 @@ from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Attempt, Job
 from services import stop
 
-REDIS = ("127.0.0.1", 6379)
 FINAL = ("passed", "rejected", "failed", "approved", "declined")
-
-
-@pytest.fixture
-def broker():
-    """A Redis database of its own, emptied before and after."""
-    import redis
-
-    n = random.randint(1, 15)
-    r = redis.Redis(*REDIS, db=n)
-    try:
-        r.ping()
-    except Exception as e:  # noqa: BLE001
-        need_service(f"Redis at {REDIS[0]}:{REDIS[1]}", e)
-    r.flushdb()
-    yield f"redis://{REDIS[0]}:{REDIS[1]}/{n}"
-    r.flushdb()
-
-
-@pytest.fixture
-def farm(pg_url, broker, tmp_path, tiny_cache):
-    # one torch/OpenCV thread per process: render and post workers share 2 CI cores
-    env = dict(os.environ, CLIPMILL_DATABASE_URL=pg_url, CLIPMILL_BROKER_URL=broker, CLIPMILL_DEVICE="cpu",
-               OMP_NUM_THREADS="1")
-    procs: list[subprocess.Popen] = []
-
-    def start(*args, extra_env=None):
-        log = open(tmp_path / f"worker-{len(procs)}.log", "w")
-        p = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "worker", *args, "--loglevel", "INFO"],
-                             env=dict(env, **(extra_env or {})), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-        procs.append(p)
-        return p
-
-    def cli(*args, extra_env=None, check=True):
-        proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", *args], env=dict(env, **(extra_env or {})),
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        if check:
-            assert proc.returncode == 0, proc.stdout + proc.stderr
-        return proc
-
-    db = Database(pg_url)
-    yield env, start, cli, db
-    for p in procs:
-        stop(p)
-    db.dispose()
 
 
 def write_batch(tmp_path, n, name="b"):

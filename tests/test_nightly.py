@@ -109,3 +109,50 @@ def test_a_second_nightly_run_on_the_same_postgresql_table_stops_at_once(pg_url,
     assert proc.returncode == 0, proc.stderr  # free again: an empty queue drains at once
     assert "not finished 0" in proc.stdout
     db.dispose()
+
+
+def test_supervisor_counts_the_render_time_previews_took(db, tmp_path):
+    """Groups measured at 1 s per step per clip, 20 quality jobs queued (160 s at quality, 120 s
+    at fast) and 300 s left: quality fits. Previews then held the one worker for 15 of the last
+    30 minutes (one ended, one still streaming): half the worker is gone, quality needs 320 s
+    and the supervisor moves the queue to fast (240 s), saying why; the report counts the
+    previews' seconds. A preview row whose worker died counts no longer than the time limit."""
+    from clipmill.jobs.core.batches import SubmitOptions, submit
+    from clipmill.jobs.core.models import PreviewSession
+    from clipmill.jobs.core.queue import claim_group
+    from clipmill.jobs.farm.nightly import Supervisor, preview_seconds
+
+    f = tmp_path / "q.csv"
+    f.write_text("prompt,tier\n" + "".join(f'"dish {i}, orbit",quality\n' for i in range(24)))
+    submit(db, f, SubmitOptions(batch="q", out=str(tmp_path / "out")))
+    sup = Supervisor(db, datetime.now(timezone.utc) + timedelta(seconds=300), preview_max_s=600)
+    claimed = claim_group(db, "gpu-host:1", "q", size=4)
+    with db.session() as s, s.begin():
+        for c in claimed:
+            s.get(Attempt, c.attempt_id).timings = {"denoise_s": 8.0, "render_s": 8.5}
+    d = sup.step(workers=1)
+    assert (d.tier, d.changed, d.preview_share) == ("quality", False, 0.0)
+
+    now = datetime.now(timezone.utc)
+    with db.session() as s, s.begin():
+        s.add(PreviewSession(id="a", model="shapes", mode="farm", worker="gpu-host:1",
+                             started_at=now - timedelta(minutes=40), ended_at=now - timedelta(minutes=20)))  # 10 min in
+        s.add(PreviewSession(id="b", model="shapes", mode="farm", worker="gpu-host:1",
+                             started_at=now - timedelta(minutes=5)))  # streaming now: 5 min
+        s.add(PreviewSession(id="c", model="shapes", mode="farm"))  # asked for, never started: nothing
+    assert preview_seconds(db, now - timedelta(minutes=30), now, 600) == pytest.approx(900, abs=2)
+    d = sup.step(workers=1)
+    assert d.tier == "fast" and d.changed and d.will_miss == 0
+    assert d.preview_share == pytest.approx(0.5, abs=0.01)
+    assert "previews take 50% of the render workers' time" in d.reason
+    assert sup.changes[-1]["preview_share"] == pytest.approx(0.5, abs=0.01)
+    # the same rows over two workers: a quarter of the farm, and quality fits again (after the hold)
+    sup.scheduler.hold.since = sup.cfg.hold_groups
+    sup.deadline = datetime.now(timezone.utc) + timedelta(seconds=400)
+    assert sup.step(workers=2).tier == "quality"
+    # a row left open by a worker that died an hour ago counts up to its time limit only
+    with db.session() as s, s.begin():
+        s.add(PreviewSession(id="d", model="shapes", mode="farm", worker="gone:2", started_at=now - timedelta(hours=2)))
+    assert preview_seconds(db, now - timedelta(hours=3), now, 600) == pytest.approx(1200 + 300 + 600, abs=2)
+    sup.started = now - timedelta(minutes=10)  # the report counts the previews' time since the run started: b's
+    assert sup.report()["preview_seconds"] == pytest.approx(300, abs=5)

@@ -19,8 +19,10 @@ def _need_broker(what: str) -> str:
 
 
 @click.command()
-@click.option("--queues", type=click.Choice(["render", "post"]), required=True, help="render (GPU) or post (CPU).")
-@click.option("--gpu", type=int, default=None, help="With --queues render: the GPU this worker owns (sets CUDA_VISIBLE_DEVICES).")
+@click.option("--queues", type=click.Choice(["render", "preview", "post"]), required=True,
+              help="render (GPU; serves previews first, between groups), preview (GPU, previews alone) or post (CPU).")
+@click.option("--gpu", type=int, default=None,
+              help="With --queues render or preview: the GPU this worker owns (sets CUDA_VISIBLE_DEVICES).")
 @click.option("--concurrency", type=click.IntRange(1, 64), default=2, show_default=True, help="With --queues post: threads.")
 @click.option("--loglevel", default="INFO", show_default=True)
 def worker(queues, gpu, concurrency, loglevel):
@@ -28,26 +30,32 @@ def worker(queues, gpu, concurrency, loglevel):
 
     A render worker is one process per GPU (solo pool: CUDA cannot be re-initialised in forked
     children); it keeps the model warm and renders groups of up to 4 compatible queued jobs.
-    A post worker interpolates, encodes, checks and stores, on threads.
+    Between two groups it takes a waiting streaming preview first (the preview queue, at top
+    priority) and streams it until its page closes (or CLIPMILL_PREVIEW_MAX seconds). A
+    preview worker streams previews alone. A post worker interpolates, encodes, checks and
+    stores, on threads.
 
     \b
     Example:
       CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill worker --queues render --gpu 0
+      CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill worker --queues preview --gpu 1
       CLIPMILL_BROKER_URL=redis://queue:6379/0 clipmill worker --queues post --concurrency 4
     """
     _need_broker("a worker needs the broker")
     from clipmill.jobs.farm.app import app
 
     if gpu is not None:
-        if queues != "render":
-            raise click.UsageError("--gpu is for --queues render")
+        if queues == "post":
+            raise click.UsageError("--gpu is for --queues render or preview")
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     name = f"{queues}{'' if gpu is None else gpu}-{os.getpid()}@%h"
     # solo: one task at a time, and concurrency 1 so that prefetch 1 reserves no second message
     # (Celery reserves multiplier x concurrency, and concurrency defaults to the CPU count)
-    pool = (["--pool", "solo", "--concurrency", "1"] if queues == "render"
+    pool = (["--pool", "solo", "--concurrency", "1"] if queues != "post"
             else ["--pool", "threads", "--concurrency", str(concurrency)])
-    app.worker_main(["worker", "-Q", queues, "-n", name, "--loglevel", loglevel, "--without-gossip",
+    # a render worker serves the preview queue first (queue_order_strategy "priority": in order)
+    consume = "preview,render" if queues == "render" else queues
+    app.worker_main(["worker", "-Q", consume, "-n", name, "--loglevel", loglevel, "--without-gossip",
                      "--without-mingle", *pool])
 
 
@@ -179,7 +187,7 @@ def nightly(deadline, out_root, interval, group_size, device):
         if not settings().farm:
             device = check_device(device or default_device())
     db = open_db()
-    sup = Supervisor(db, when)
+    sup = Supervisor(db, when, preview_max_s=settings().preview_max_s)
     try:
         with single_run(db), domain_errors():
             err.print(f"nightly run until {when.isoformat(timespec='minutes')} ({sup.time_left() / 3600:.1f} h)")

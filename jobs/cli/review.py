@@ -25,6 +25,8 @@ def review(batch, host, port, token):
     An ad batch lists its ads: each format to play, the shots with their QC, approve or
     decline, and re-render one shot with a new seed, which reassembles its ad (in this
     process, or by the farm when CLIPMILL_BROKER_URL is set; CLIPMILL_QC_CONFIG sets QC).
+    /preview streams a prompt as you write it (see clipmill preview): in this process, or on
+    a farm render worker when CLIPMILL_BROKER_URL is set.
 
     \b
     Example:
@@ -69,7 +71,13 @@ def _serve(db, host: str, port: int, token: str | None, batch: str | None, model
                         options=RenderOptions(decoder="tiny" if info.has_tiny_vae else "vae"))
 
     send_render, runner = _rerenders(db, env)
-    serve(db, host, port, token, batch, send_render, runner, Previews(renderer, model, env.out))
+    if env.broker_url:  # farm mode: each preview streams on a render worker, its frames through Redis
+        from clipmill.jobs.farm.preview import FarmPreviews
+
+        previews = FarmPreviews(env.broker_url, db, model, env.out)
+    else:
+        previews = Previews(renderer, model, env.out, db=db)
+    serve(db, host, port, token, batch, send_render, runner, previews)
 
 
 @click.command()
@@ -82,7 +90,9 @@ def preview(prompt, model, port):
     follow it; "Queue this" adds it (with its seed and tier) to the job table as a batch.
 
     The page is the review server's /preview (Server-Sent Events); closing it stops the stream
-    and frees the model. Steps per frame follow a frame-time budget (pipeline.adaptive).
+    and frees the model. Steps per frame follow a frame-time budget (pipeline.adaptive). With
+    CLIPMILL_BROKER_URL set, the stream runs on a farm render worker (the preview queue, served
+    first between groups) and its frames come through Redis; without it, in this process.
 
     \b
     Example:

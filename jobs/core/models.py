@@ -208,3 +208,20 @@ class AdDecision(Base):
     note: Mapped[str] = mapped_column(Text, default="")
     operator: Mapped[str] = mapped_column(String(120))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class PreviewSession(Base):
+    """One streaming preview: the render time it took (started to ended, on ``worker``) is what
+    the nightly scheduler counts as taken from the render workers (jobs.farm.nightly)."""
+
+    __tablename__ = "preview_sessions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    model: Mapped[str] = mapped_column(Text)
+    mode: Mapped[str] = mapped_column(String(16))  # embedded (the review server's process) | farm
+    worker: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
+    ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    frames: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    ended: Mapped[str | None] = mapped_column(String(200), nullable=True)  # why: closed, time limit, error

@@ -23,6 +23,7 @@ variable, its value and what is allowed. Nothing else in ``clipmill.jobs`` reads
 | CLIPMILL_NIGHTLY_DEADLINE | beat: HH:MM the nightly run drains the queue by | 07:00 |
 | CLIPMILL_QC_CONFIG | a TOML file of QC thresholds: post workers', and run's default --qc-config | unset |
 | CLIPMILL_NOTIFY_SECRET | the HMAC-SHA256 key that signs --notify callbacks | unset (unsigned) |
+| CLIPMILL_PREVIEW_MAX | farm: seconds a preview may hold a render worker before it ends (0: no limit) | 900 |
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Settings:
     nightly_deadline: str = "07:00"
     qc_config: str | None = None  # a TOML file of QC thresholds: a post worker's, and the default --qc-config
     notify_secret: str | None = None  # signs the batch-finished callbacks (core.notify)
+    preview_max_s: float = 900.0  # a farm preview ends after this long (a page left open overnight)
 
     @property
     def farm(self) -> bool:
@@ -164,6 +166,7 @@ class Settings:
             nightly_deadline=deadline,
             qc_config=_qc_file(get("CLIPMILL_QC_CONFIG")),
             notify_secret=get("CLIPMILL_NOTIFY_SECRET"),
+            preview_max_s=_seconds("CLIPMILL_PREVIEW_MAX", get("CLIPMILL_PREVIEW_MAX") or "900"),
         )
 
 

@@ -73,6 +73,7 @@ def make_app(settings: Settings) -> Celery:
         # until its deadline
         task_routes={
             "clipmill.render": {"queue": "render"},
+            "clipmill.preview": {"queue": "preview"},  # render workers serve it first, between groups
             "clipmill.post": {"queue": "post"},
             "clipmill.assemble": {"queue": "post"},
             "clipmill.notify": {"queue": "post"},

@@ -5,6 +5,10 @@ Between groups it feeds the scheduler the groups rendered since it last looked (
 denoising step, per worker, from the attempts' timings), asks whether the remaining work fits,
 and sets the tier of queued jobs that asked for `quality` to what the scheduler chose. Every
 decision that changed the tier is logged and goes into the report.
+
+Streaming previews are served first by the render workers (jobs.farm.preview), so the time they
+took over the last ``PREVIEW_WINDOW_S`` seconds (``preview_sessions``) is counted as a share of
+the workers that goes on being taken: the prediction has that much less of them.
 """
 
 from __future__ import annotations
@@ -21,16 +25,37 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from zoneinfo import ZoneInfo
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import func, or_, select, text, update
 
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import Attempt, Job
+from clipmill.jobs.core.models import Attempt, Job, PreviewSession
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.dispatch import BrokerDown, reconcile
 from clipmill.jobs.farm.scheduler import Decision, SchedulerConfig, TierScheduler
 
 log = logging.getLogger("clipmill.nightly")
 OPEN = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
+PREVIEW_WINDOW_S = 1800.0  # the previews' recent share of the workers is measured over this
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)  # SQLite gives naive UTC back
+
+
+def preview_seconds(db: Database, since: datetime, until: datetime, max_s: float = 900.0) -> float:
+    """Seconds of render time previews took between ``since`` and ``until``: each session from
+    its start to its end, a session still open up to ``until`` (but never more than ``max_s``
+    after its start, the preview time limit: a row whose worker died is not counted forever)."""
+    with db.session() as s:
+        rows = s.execute(select(PreviewSession.started_at, PreviewSession.ended_at).where(
+            PreviewSession.started_at.is_not(None), PreviewSession.started_at < until,
+            or_(PreviewSession.ended_at.is_(None), PreviewSession.ended_at > since))).all()
+    total = 0.0
+    for started, ended in rows:
+        started = _aware(started)
+        end = _aware(ended) if ended is not None else min(until, started + timedelta(seconds=max_s or 1e9))
+        total += max(0.0, (min(end, until) - max(started, since)).total_seconds())
+    return total
 
 
 def parse_deadline(text: str, zone: str, now: datetime | None = None) -> datetime:
@@ -69,6 +94,7 @@ class Supervisor:
     deadline: datetime
     cfg: SchedulerConfig = field(default_factory=SchedulerConfig)
     started: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    preview_max_s: float = 900.0  # the farm's CLIPMILL_PREVIEW_MAX
     scheduler: TierScheduler = field(init=False)
     seen_groups: set = field(default_factory=set)
     changes: list[dict] = field(default_factory=list)
@@ -98,6 +124,12 @@ class Supervisor:
             self.seen_groups.add(gid)
         return len(groups)
 
+    def preview_share(self, workers: int) -> float:
+        """The share of ``workers``' time that previews took over the last PREVIEW_WINDOW_S."""
+        now = datetime.now(timezone.utc)
+        busy = preview_seconds(self.db, now - timedelta(seconds=PREVIEW_WINDOW_S), now, self.preview_max_s)
+        return min(1.0, busy / (max(1, workers) * PREVIEW_WINDOW_S))
+
     def step(self, workers: int = 1) -> Decision:
         """Measure, decide, apply. Called before each group (embedded) or periodically (farm)."""
         self.feed()
@@ -106,14 +138,15 @@ class Supervisor:
                 Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "quality"))
             f = s.scalar(select(func.count()).select_from(Job).where(
                 Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "fast"))
-        d = self.scheduler.decide(max(self.time_left(), 0.0), q, f, workers)
+        d = self.scheduler.decide(max(self.time_left(), 0.0), q, f, workers, self.preview_share(workers))
         with self.db.session() as s, s.begin():
             s.execute(update(Job).where(
                 Job.state == JobState.QUEUED.value, func.coalesce(Job.tier_requested, Job.tier) == "quality",
                 Job.tier != d.tier).values(tier=d.tier).execution_options(synchronize_session=False))
         if d.changed or d.will_miss:
             entry = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "tier": d.tier,
-                     "reason": d.reason, "time_left_s": round(d.time_left_s, 1), "will_miss": d.will_miss}
+                     "reason": d.reason, "time_left_s": round(d.time_left_s, 1), "will_miss": d.will_miss,
+                     "preview_share": round(d.preview_share, 3)}
             if not self.changes or self.changes[-1]["tier"] != d.tier or d.changed:
                 self.changes.append(entry)
                 log.warning("nightly: %s", entry)
@@ -142,6 +175,8 @@ class Supervisor:
             "not_finished": still_open,
             "gpu_seconds_per_passed_clip": round(render_s / len(passed), 3) if passed else None,
             "render_seconds": round(render_s, 3),
+            "preview_seconds": round(preview_seconds(self.db, self.started, datetime.now(timezone.utc),
+                                                     self.preview_max_s), 1),
             "tier_changes": self.changes,
             "failures": failures,
         }
@@ -157,6 +192,8 @@ def report_markdown(r: dict) -> str:
         "| --- | --- | --- | --- | --- | --- |",
         f"| {r['clips_produced']} | {r['passed']} | {r['rejected']} | {r['failed']} | {r['not_finished']} | "
         f"{r['gpu_seconds_per_passed_clip'] if r['gpu_seconds_per_passed_clip'] is not None else '-'} |",
+        "",
+        f"Streaming previews took {r.get('preview_seconds', 0)} s of the render workers' time.",
         "",
         "## Tier changes",
         "",

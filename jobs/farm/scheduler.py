@@ -18,6 +18,7 @@ from clipmill.pipeline.choices import TIERS
 from clipmill.pipeline.pacing import CostWindow, Hold
 
 STEPS = {name: tier.steps for name, tier in TIERS.items()}
+MAX_PREVIEW_SHARE = 0.9  # previews never count as taking more of the workers than this
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Decision:
     predicted_s: float | None  # seconds the remaining work needs at the chosen tier
     time_left_s: float
     will_miss: int = 0  # jobs that cannot finish even at `fast`
+    preview_share: float = 0.0  # the share of the workers' time counted as going to previews
 
 
 @dataclass
@@ -61,19 +63,34 @@ class TierScheduler:
         self.samples.setdefault(worker, CostWindow(self.cfg.window)).add(seconds / (steps * clips))
         self.hold.tick()
 
-    def step_cost(self, workers: int) -> float | None:
+    def step_cost(self, workers: int, preview_share: float = 0.0) -> float | None:
         """Seconds per step per clip for the farm as a whole, shared by ``workers`` working in
-        parallel. Per worker, the larger of its window's median and the mean of its last three
-        groups (``CostWindow.predict``): a slowdown counts at once, a single fast group does not."""
+        parallel, of which ``preview_share`` of the time goes to streaming previews (they are
+        served first; at most ``MAX_PREVIEW_SHARE`` counts). Per worker, the larger of its
+        window's median and the mean of its last three groups (``CostWindow.predict``): a
+        slowdown counts at once, a single fast group does not."""
+        if not 0.0 <= preview_share <= 1.0:
+            raise ValueError(f"preview_share={preview_share}: a share of the workers' time, 0 to 1")
         per_worker = [w.predict() for w in self.samples.values() if len(w)]
-        return median(per_worker) / max(1, workers) if per_worker else None
+        capacity = max(1, workers) * (1.0 - min(preview_share, MAX_PREVIEW_SHARE))
+        return median(per_worker) / capacity if per_worker else None
 
-    def decide(self, time_left_s: float, quality_jobs: int, fast_jobs: int, workers: int = 1) -> Decision:
+    def decide(self, time_left_s: float, quality_jobs: int, fast_jobs: int, workers: int = 1,
+               preview_share: float = 0.0) -> Decision:
         """Choose the tier for queued quality-tier jobs; ``quality_jobs`` are those that asked
-        for `quality` (whatever they are set to now), ``fast_jobs`` those that asked for `fast`."""
-        cost = self.step_cost(workers)
+        for `quality` (whatever they are set to now), ``fast_jobs`` those that asked for `fast`.
+        ``preview_share``: the share of the render workers' time that previews took lately,
+        expected to go on (see ``step_cost``)."""
+        cost = self.step_cost(workers, preview_share)
         if cost is None:
             return self._keep(time_left_s, None, "no measurements yet")
+        d = self._decide(cost, time_left_s, quality_jobs, fast_jobs)
+        if preview_share > 0:
+            d.reason += f"; previews take {100 * preview_share:.0f}% of the render workers' time"
+        d.preview_share = preview_share
+        return d
+
+    def _decide(self, cost: float, time_left_s: float, quality_jobs: int, fast_jobs: int) -> Decision:
         need_q = cost * (quality_jobs * STEPS["quality"] + fast_jobs * STEPS["fast"])
         need_f = cost * (quality_jobs + fast_jobs) * STEPS["fast"]
         held = self.hold.ready

@@ -25,6 +25,7 @@ from clipmill.jobs.ads.assembly import assemble_ad
 from clipmill.jobs.core.notify import due, notify_once
 from clipmill.jobs.farm.dispatch import (BrokerDown, reconcile as run_reconcile, send_assemble, send_notify, send_post,
                                          send_render)
+from clipmill.jobs.farm.preview import client as preview_client, serve as serve_preview
 from clipmill.jobs.farm.nightly import (NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run,
                                         write_report)
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
@@ -78,6 +79,16 @@ def _send_queued_again(db, job_ids: list[int]) -> None:
             send_render(db, queued)
         except BrokerDown as e:
             log.warning("jobs %s queued again, but the broker is unreachable (%s); reconcile will send them", queued, e)
+
+
+# Acked when it starts: a preview whose worker died is not delivered again later, when its page
+# is long gone (the page sees the stream end and can start another).
+@app.task(name="clipmill.preview", base=WorkerTask, bind=True, acks_late=False)
+def preview(self: WorkerTask, session_id: str) -> dict:
+    """Stream one preview on this render worker between its groups (farm.preview.serve)."""
+    settings = self.app.clipmill_settings
+    return serve_preview(self.ctx, preview_client(settings.broker_url), session_id, worker_name(),
+                         settings.preview_max_s)
 
 
 @app.task(name="clipmill.post", base=WorkerTask, bind=True)
@@ -145,7 +156,7 @@ def nightly(self: WorkerTask, deadline: str = "07:00", out: str | None = None, i
     settings = self.app.clipmill_settings
     db = self.ctx.db
     when = parse_deadline(deadline, settings.timezone)
-    sup = Supervisor(db, when)
+    sup = Supervisor(db, when, preview_max_s=settings.preview_max_s)
     try:
         with single_run(db):
             log.info("nightly run until %s", when.isoformat(timespec="minutes"))

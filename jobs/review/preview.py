@@ -1,14 +1,20 @@
 """The streaming preview behind the review server's /preview page and `clipmill preview`.
 
-One preview streams at a time in this process (the model is shared): a session holds a
-``pipeline.stream.StreamBatch`` and a ``pipeline.adaptive.FrameScheduler`` that sets the steps
-of every call from the measured frame times. The page steers the prompt of the running session,
-and can queue it (prompt, seed, tier) as a one-job batch. A session ends when its page goes
-away: the stream's hook comes off the model and the next preview may start.
+Embedded (no broker), one preview streams at a time in the review server's process (the model
+is shared): a session holds a ``pipeline.stream.StreamBatch`` and a
+``pipeline.adaptive.FrameScheduler`` that sets the steps of every call from the measured frame
+times. The page steers the prompt of the running session, and can queue it (prompt, seed, tier)
+as a one-job batch. A session ends when its page goes away: the stream's hook comes off the
+model and the next preview may start. In farm mode the same session runs on a render worker
+between its groups, and its frames come to the page through Redis (``jobs.farm.preview``).
+
+Every preview is kept in ``preview_sessions`` (when it started and ended, where, its frames):
+the nightly scheduler counts that time as taken from the render workers.
 """
 
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import queue
@@ -24,6 +30,8 @@ import numpy as np
 
 from clipmill.jobs.core.batches import SubmitOptions, submit
 from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.models import PreviewSession, utcnow
+from clipmill.jobs.core.queue import worker_name
 from clipmill.pipeline.adaptive import AdaptiveConfig, FrameScheduler, PreviewTier
 from clipmill.pipeline.stream import StreamBatch
 
@@ -113,6 +121,16 @@ class Session:
         except queue.Empty:
             return None, {}
 
+    def next_payload(self, timeout: float = 0.5) -> tuple[dict | None, dict]:
+        """The next frame as the page's ``frame`` event (see :func:`payload`), or None and why
+        not (``{"error": ...}`` when the stream failed)."""
+        f, info = self.next_frame(timeout)
+        return (None, info) if f is None else (payload(f.index, f.prompt, jpeg(f.image), info), {})
+
+    def describe(self) -> dict:
+        return {"session": self.id, "prompt": self.prompt, "frames": self.frames, "steps": self.stream.steps,
+                "tier": self.scheduler.tier.name if self.scheduler is not None else PREVIEW_TIERS[0].name}
+
     def close(self) -> None:
         with self.lock:
             if not self.closed:
@@ -120,14 +138,32 @@ class Session:
                 self.stream.close()
 
 
-class Previews:
-    """The process's preview sessions: at most one streaming, the renderer loaded once."""
+def new_session(renderer, prompt: str, seed: int, budget_s: float, sid: str | None = None) -> Session:
+    """A started preview session of ``prompt`` on ``renderer`` at the frame-time budget."""
+    sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=budget_s))
+    stream = StreamBatch(renderer, prompt, seed=seed, steps=PREVIEW_TIERS[0].min_steps)
+    session = Session(sid or new_id(), stream, sched, seed)
+    session.start()
+    return session
 
-    def __init__(self, make_renderer: Callable[[], object], model: str, out: str, budget_s: float = 0.125):
+
+def new_id() -> str:
+    return secrets.token_urlsafe(9)
+
+
+class Previews:
+    """The process's preview sessions (embedded mode): at most one streaming, the renderer
+    loaded once. ``db``: where the sessions are recorded (see the module)."""
+
+    pace_s: float  # the review server sends frames at this interval (they are rendered ahead here)
+
+    def __init__(self, make_renderer: Callable[[], object], model: str, out: str, budget_s: float = 0.125,
+                 db: Database | None = None):
         self._make_renderer = make_renderer
         self._renderer = None
         self.model, self.out = model, out  # what "Queue this" submits with
-        self.budget_s = budget_s
+        self.budget_s = self.pace_s = budget_s
+        self.db = db
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
 
@@ -139,16 +175,24 @@ class Previews:
         prompt = check_prompt(prompt)
         with self._lock:
             for s in list(self.sessions.values()):  # one stream at a time: the newest page wins
-                s.close()
+                self._end(s, "replaced by a newer page")
             self.sessions.clear()
             if self._renderer is None:
                 self._renderer = self._make_renderer()
-            sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=self.budget_s))
-            stream = StreamBatch(self._renderer, prompt, seed=seed, steps=PREVIEW_TIERS[0].min_steps)
-            session = Session(secrets.token_urlsafe(9), stream, sched, seed)
+            session = new_session(self._renderer, prompt, seed, self.budget_s)
             self.sessions[session.id] = session
-            session.start()
+            if self.db is not None:
+                record_open(self.db, session.id, self.model, "embedded", worker=worker_name())
             return session
+
+    def _end(self, s: Session, why: str) -> None:
+        was_open = not s.closed
+        s.close()
+        if was_open and self.db is not None:
+            record_end(self.db, s.id, s.frames, why)
+
+    def describe(self) -> list[dict]:
+        return [s.describe() for s in self.sessions.values() if not s.closed]
 
     def get(self, sid: str) -> Session:
         s = self.sessions.get(sid)
@@ -156,10 +200,10 @@ class Previews:
             raise PreviewError(f"preview {sid!r} is not streaming (closed, or replaced by a newer page); reload")
         return s
 
-    def close(self, sid: str) -> None:
+    def close(self, sid: str, why: str = "the page closed") -> None:
         s = self.sessions.pop(sid, None)
         if s is not None:
-            s.close()
+            self._end(s, why)
 
     def queue(self, db: Database, sid: str, tier: str) -> dict:
         """Queue the session's prompt, with its seed and ``tier``, as a one-job batch."""
@@ -180,6 +224,32 @@ def check_prompt(prompt: str) -> str:
     if len(prompt) > MAX_PROMPT:
         raise PreviewError(f"prompt: {len(prompt)} characters; at most {MAX_PROMPT}")
     return prompt
+
+
+def payload(index: int, prompt: str, jpeg_bytes: bytes, info: dict) -> dict:
+    """A frame as the page's ``frame`` event: its index, the prompt it was made under, the JPEG
+    (base64) and what the scheduler did (steps, tier, call time, switches, drops)."""
+    return {"index": index, "prompt": prompt, "jpeg": base64.b64encode(jpeg_bytes).decode(), **info}
+
+
+def record_open(db: Database, sid: str, model: str, mode: str, worker: str | None = None) -> None:
+    """A preview asked for; with ``worker``, started there now."""
+    with db.session() as s, s.begin():
+        s.add(PreviewSession(id=sid, model=model, mode=mode, worker=worker, started_at=utcnow() if worker else None))
+
+
+def record_start(db: Database, sid: str, worker: str) -> None:
+    with db.session() as s, s.begin():
+        row = s.get(PreviewSession, sid)
+        if row is not None:
+            row.worker, row.started_at = worker, utcnow()
+
+
+def record_end(db: Database, sid: str, frames: int, why: str) -> None:
+    with db.session() as s, s.begin():
+        row = s.get(PreviewSession, sid)
+        if row is not None and row.ended_at is None:
+            row.ended_at, row.frames, row.ended = utcnow(), frames, why[:200]
 
 
 def jpeg(image: np.ndarray, side: int = 256) -> bytes:

@@ -13,7 +13,6 @@ Security:
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import json
 import secrets
@@ -37,7 +36,7 @@ from clipmill.jobs.core.queue import now
 from clipmill.jobs.review import ads as ad_review
 from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, ReviewError, View, decide, decide_many,
                                             last_decision_id, matching, media_key, operator_summary, page_of)
-from clipmill.jobs.review.preview import PreviewError, Previews, jpeg
+from clipmill.jobs.review.preview import PreviewError, Previews
 from clipmill.qc.margin import REASON_KINDS
 from clipmill.storage import LocalStorage, open_storage
 
@@ -56,7 +55,8 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
     """The review app. A shot re-rendered from the page is sent to the farm's render queue by
     ``send_render(job_ids)`` (farm mode; it returns what to tell the operator), else rendered
     and its ad reassembled in this process by ``runner``. ``previews`` streams the /preview
-    page and queues what it shows."""
+    page and queues what it shows: ``jobs.review.preview.Previews`` in this process, or
+    ``jobs.farm.preview.FarmPreviews`` (the same interface) on the farm's render workers."""
     app = FastAPI(title="clipmill review", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -196,16 +196,18 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
                 while not session.closed:
                     if await request.is_disconnected():
                         break
-                    f, info = await asyncio.to_thread(session.next_frame)  # rendered ahead by the session
-                    if f is None:
+                    # rendered ahead by the session here, or relayed from its render worker
+                    data, info = await asyncio.to_thread(session.next_payload)
+                    if data is None:
                         if "error" in info:
                             yield f"event: failed\ndata: {json.dumps(info)}\n\n"
                             break
+                        if "waiting" in info:
+                            yield f"event: waiting\ndata: {json.dumps(info)}\n\n"
                         continue
-                    data = {"index": f.index, "prompt": f.prompt, "jpeg": base64.b64encode(jpeg(f.image)).decode(), **info}
-                    # frames go out at the frame-time budget, not in bursts of a call's frames
-                    t_next = max(t_next + previews.budget_s, time.perf_counter())
-                    await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                    if previews.pace_s:  # at the frame-time budget, not in bursts of a call's frames
+                        t_next = max(t_next + previews.pace_s, time.perf_counter())
+                        await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
                     yield f"event: frame\ndata: {json.dumps(data)}\n\n"
             finally:
                 previews.close(session.id)
@@ -233,9 +235,7 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
     def preview_state():
         if previews is None:
             return {"active": 0, "sessions": []}
-        return {"active": previews.active, "sessions": [
-            {"session": s.id, "prompt": s.prompt, "frames": s.frames, "steps": s.stream.steps,
-             "tier": s.scheduler.tier.name} for s in previews.sessions.values() if not s.closed]}
+        return {"active": previews.active, "sessions": previews.describe()}
 
     @app.get("/api/operators/{batch_id}")
     def operators(batch_id: str):

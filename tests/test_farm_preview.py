@@ -1,0 +1,177 @@
+"""The streaming preview in farm mode (issue 13): real Redis, PostgreSQL, Celery render and
+post workers, a `clipmill preview` server with CLIPMILL_BROKER_URL and a headless Chromium.
+
+The preview goes to the `preview` queue at top priority: the render worker, busy with a batch,
+takes it between two groups; its frames come to the page through Redis; steering reaches the
+worker; closing the page frees the worker within a second, and it goes back to the batch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from sqlalchemy import func, select
+
+from clipmill.jobs.core.models import Attempt, Job, PreviewSession
+from clipmill.qc.adherence import analyze
+from services import free_port, need_program, stop, wait_port
+from test_farm import assert_exactly_once
+from test_preview import BLUE, RED, _frames
+
+pytestmark = pytest.mark.slow
+FINAL = ("passed", "rejected", "failed")
+
+
+def _poll(what, check, timeout, every=0.05):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if (got := check()):
+            return got
+        time.sleep(every)
+    pytest.fail(f"{what}: not within {timeout} s")
+
+
+def test_a_farm_render_worker_serves_the_preview_between_groups_through_redis(farm, broker, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    chromium = need_program("chromium", "Debian's Chromium")
+    env, start, cli, db = farm
+    render = start("--queues", "render")
+    start("--queues", "post", "--concurrency", "1")
+    rows = "".join(f'"a {c} square moves left on a grey background, static shot",{i}\n'
+                   for i, c in enumerate(["red", "green", "blue", "yellow", "white"] * 4))
+    (tmp_path / "night.csv").write_text("prompt,seed\n" + rows)  # 20 jobs: 5 groups of 4
+    cli("submit", "night.csv", "--batch", "night", "--model", "shapes", "--out", str(tmp_path / "out"))
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes",
+                               "--port", str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_port(port, server, timeout=60)
+        url = f"http://127.0.0.1:{port}"
+
+        def started(s):
+            return s.scalar(select(func.count()).select_from(Attempt))
+
+        with db.session() as s:  # the worker is on the batch: its first group has started
+            _poll("the first group", lambda: started(s) or s.rollback(), 120)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_context(bypass_csp=True).new_page()
+            page.goto(url + "/preview?prompt=" + urllib.request.quote(RED))
+            page.evaluate("""() => { window.got = []; new MutationObserver(() => window.got.push(
+                [performance.now(), document.getElementById('frame').src])).observe(
+                document.getElementById('frame'), {attributes: true, attributeFilter: ['src']}); }""")
+            page.wait_for_function("window.got.length >= 12", timeout=120000)
+            # served by the render worker, between the batch's groups: some of the batch still queued
+            with db.session() as s:
+                row = s.scalars(select(PreviewSession)).one()
+                queued = s.scalar(select(func.count()).select_from(Job).where(Job.state == "queued"))
+            assert row.mode == "farm" and row.worker and row.started_at is not None and row.ended_at is None
+            assert queued > 0, "the preview waited for the whole batch"
+            last = page.evaluate("window.clipmillPreview.last")
+            assert last["worker"] == row.worker and row.worker.endswith(f":{render.pid}"), last  # relayed from it
+            red = analyze(_frames(page.evaluate("window.got.slice(-8).map(g => g[1])")))
+            assert (red.colour, red.shape) == ("red", "circle"), red.label()
+
+            # steer: the new prompt reaches the worker through Redis; within 2 s the frames show it
+            t0 = page.evaluate("performance.now()")
+            page.fill("#prompt", BLUE)
+            page.wait_for_timeout(2000)
+            within = [src for t, src in page.evaluate("window.got") if t0 < t <= t0 + 2000]
+            assert len(within) >= 6, len(within)
+            blue = analyze(_frames(within[-4:]))
+            assert blue.colour == "blue", blue.label()
+            api = json.loads(urllib.request.urlopen(url + "/api/preview").read())
+            assert api["active"] == 1 and api["sessions"][0]["prompt"] == BLUE
+
+            # close the page: within a second the worker has ended the stream and is free
+            page.close()
+            t_closed = time.time()
+            with db.session() as s:
+                def ended():
+                    s.expire_all()
+                    return s.get(PreviewSession, row.id).ended_at
+                _poll("the preview's end on the worker", ended, 10, every=0.02)
+                freed = time.time() - t_closed
+                got = s.get(PreviewSession, row.id)
+                assert got.ended == "the page closed" and got.frames >= 12
+            print(f"the worker ended the preview {freed:.2f} s after the page closed")
+            assert freed < 1.0, f"the worker ended the preview {freed:.2f} s after the page closed"
+            browser.close()
+        # ... and the render worker goes back to the batch: every job finishes, none twice
+        with db.session() as s:
+            _poll("the batch's end", lambda: s.scalar(select(func.count()).select_from(Job).where(
+                Job.state.in_(FINAL))) == 20 or s.rollback(), 300, every=0.5)
+        assert_exactly_once(db, tmp_path / "out")  # QC retries aside, no attempt twice, one clip each
+        assert render.poll() is None
+    finally:
+        stop(server)
+
+
+def test_the_worker_side_of_a_farm_preview_refuses_ends_and_reports(broker, sqlite_url, tiny_cache):
+    """farm.preview.serve in this process against real Redis: a preview whose page is gone is
+    not served, one delivered twice streams once, a stream ends at its time limit with its
+    frames relayed, and a model that does not load ends the page's stream with the reason."""
+    import threading
+
+    import redis
+
+    from clipmill.jobs.core.db import Database
+    from clipmill.jobs.farm.preview import Channel, FarmSession, serve
+    from clipmill.jobs.review.preview import record_open
+    from clipmill.jobs.runner.stages import WorkerContext
+
+    r = redis.Redis.from_url(broker)
+    db = Database(sqlite_url)
+    ctx = WorkerContext(db)
+    try:
+        gone = Channel(r, "gone")
+        gone.create(RED, 0, "tiny", 0.05)
+        record_open(db, "gone", "tiny", "farm")
+        gone.close()
+        assert serve(ctx, r, "gone", "w:1", 5) == {"served": False}
+        with db.session() as s:
+            assert s.get(PreviewSession, "gone").started_at is None
+
+        ch = Channel(r, "s1")
+        ch.create(RED, 3, "tiny", 0.05)
+        record_open(db, "s1", "tiny", "farm")
+        page = FarmSession(ch, RED, 3)
+        got, errors = [], []
+
+        def watch():  # the review server's side, relaying until the stream ends
+            while True:
+                data, info = page.next_payload(timeout=0.2)
+                if data is not None:
+                    got.append(data)
+                elif "error" in info:
+                    errors.append(info["error"])
+                    return
+
+        t = threading.Thread(target=watch)
+        t.start()
+        res = serve(ctx, r, "s1", "w:1", 1.5)
+        t.join(10)
+        assert res["served"] and res["frames"] >= 5 and "time on a render worker is up (1.5 s, CLIPMILL_PREVIEW_MAX)" in res["ended"]
+        assert len(got) >= 5 and got[0]["index"] == 0 and got[-1]["worker"] == "w:1" and got[0]["jpeg"]
+        assert errors and "time on a render worker is up" in errors[0]
+        assert serve(ctx, r, "s1", "w:2", 5) == {"served": False}  # delivered again: the first one had it
+        with db.session() as s:
+            row = s.get(PreviewSession, "s1")
+            assert row.worker == "w:1" and row.frames == res["frames"] and row.ended_at is not None
+
+        bad = Channel(r, "bad")
+        bad.create(RED, 0, "/nowhere/model", 0.05)
+        res = serve(ctx, r, "bad", "w:1", 5)
+        assert res["served"] and res["frames"] == 0 and "/nowhere/model" in res["ended"]
+        data, info = FarmSession(bad, RED, 0).next_payload(timeout=0.1)
+        assert data is None and info["error"].startswith("the preview ended on its render worker: ")
+        assert "/nowhere/model" in info["error"]
+    finally:
+        db.dispose()
