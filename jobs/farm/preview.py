@@ -41,8 +41,8 @@ from redis.exceptions import RedisError
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.farm.dispatch import BrokerDown, send_render
-from clipmill.jobs.review.preview import (PreviewError, check_prompt, jpeg, new_id, new_session, payload,
-                                          queue_prompt, record_end, record_open, record_start)
+from clipmill.jobs.review.preview import (PreviewError, SessionTable, check_prompt, jpeg, new_id, new_session,
+                                          payload, queue_prompt, record_end, record_open, record_start)
 
 log = logging.getLogger("clipmill.preview")
 
@@ -249,7 +249,7 @@ class FarmSession:
                 "tier": self.meta.get("tier"), "worker": self.meta.get("worker")}
 
 
-class FarmPreviews:
+class FarmPreviews(SessionTable):
     """The review server's previews in farm mode: each page's stream runs on a render worker
     (see the module). Same interface as ``jobs.review.preview.Previews``."""
 
@@ -260,10 +260,6 @@ class FarmPreviews:
         self.db, self.model, self.out, self.budget_s = db, model, out, budget_s
         self.sessions: dict[str, FarmSession] = {}
         self._lock = threading.Lock()
-
-    @property
-    def active(self) -> int:
-        return len(self.sessions)
 
     def open(self, prompt: str, seed: int = 0) -> FarmSession:
         prompt = check_prompt(prompt)
@@ -279,12 +275,6 @@ class FarmPreviews:
         with self._lock:
             self.sessions[sid] = session
         return session
-
-    def get(self, sid: str) -> FarmSession:
-        s = self.sessions.get(sid)
-        if s is None or s.closed:
-            raise PreviewError(f"preview {sid!r} is not streaming (closed, or replaced by a newer page); reload")
-        return s
 
     def close(self, sid: str, why: str = "the page closed") -> None:
         with self._lock:
@@ -314,6 +304,3 @@ class FarmPreviews:
         except BrokerDown as e:
             res["note"] = f"queued, but the broker is unreachable ({e}): clipmill reconcile sends it once it is back"
         return res
-
-    def describe(self) -> list[dict]:
-        return [s.describe() for s in self.sessions.values() if not s.closed]

@@ -151,7 +151,26 @@ def new_id() -> str:
     return secrets.token_urlsafe(9)
 
 
-class Previews:
+class SessionTable:
+    """The preview sessions of a review server, by id (embedded or farm)."""
+
+    sessions: dict
+
+    @property
+    def active(self) -> int:
+        return sum(not s.closed for s in self.sessions.values())
+
+    def get(self, sid: str):
+        s = self.sessions.get(sid)
+        if s is None or s.closed:
+            raise PreviewError(f"preview {sid!r} is not streaming (closed, or replaced by a newer page); reload")
+        return s
+
+    def describe(self) -> list[dict]:
+        return [s.describe() for s in self.sessions.values() if not s.closed]
+
+
+class Previews(SessionTable):
     """The process's preview sessions (embedded mode): at most one streaming, the renderer
     loaded once. ``db``: where the sessions are recorded (see the module)."""
 
@@ -166,10 +185,6 @@ class Previews:
         self.db = db
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-
-    @property
-    def active(self) -> int:
-        return sum(not s.closed for s in self.sessions.values())
 
     def open(self, prompt: str, seed: int = 0) -> Session:
         prompt = check_prompt(prompt)
@@ -190,15 +205,6 @@ class Previews:
         s.close()
         if was_open and self.db is not None:
             record_end(self.db, s.id, s.frames, why)
-
-    def describe(self) -> list[dict]:
-        return [s.describe() for s in self.sessions.values() if not s.closed]
-
-    def get(self, sid: str) -> Session:
-        s = self.sessions.get(sid)
-        if s is None or s.closed:
-            raise PreviewError(f"preview {sid!r} is not streaming (closed, or replaced by a newer page); reload")
-        return s
 
     def close(self, sid: str, why: str = "the page closed") -> None:
         s = self.sessions.pop(sid, None)
