@@ -175,3 +175,63 @@ def test_the_worker_side_of_a_farm_preview_refuses_ends_and_reports(broker, sqli
         assert "/nowhere/model" in info["error"]
     finally:
         db.dispose()
+
+
+@pytest.fixture
+def app_on(broker, monkeypatch):
+    """The Celery app of this process sending to ``broker`` (it was built from the environment)."""
+    from clipmill.jobs.farm.app import app
+
+    def fresh_pool():
+        if app._pool is not None:
+            app._pool.force_close_all()
+            app._pool = None
+
+    fresh_pool()
+    monkeypatch.setattr(app.conf, "broker_url", broker)
+    yield app
+    fresh_pool()
+
+
+def test_the_review_side_of_a_farm_preview_waits_steers_queues_and_closes(broker, app_on, sqlite_url, tmp_path,
+                                                                           tiny_cache):
+    """farm.preview.FarmPreviews against real Redis, no worker up: the page is told it waits for
+    a render worker, steering lands in the session's hash, "Queue this" commits the job and
+    sends its render message, and a page closed before any worker took it is recorded ended."""
+    import redis
+
+    from clipmill.jobs.core.db import Database
+    from clipmill.jobs.farm.preview import Channel, FarmPreviews
+    from clipmill.jobs.review.preview import PreviewError
+
+    r = redis.Redis.from_url(broker)
+    db = Database(sqlite_url)
+    try:
+        previews = FarmPreviews(broker, db, "tiny", str(tmp_path / "out"))
+        s = previews.open(RED, seed=7)
+        assert r.llen("preview") == 1 and r.exists(f"clipmill:preview:{s.id}:alive")  # the message, the heartbeat
+        data, info = s.next_payload(timeout=0.1)
+        assert data is None and info["waiting"].startswith("waiting 0 s for a render worker")
+        assert previews.steer(s.id, BLUE) == {"session": s.id, "prompt": BLUE}
+        assert Channel(r, s.id).info()["prompt"] == BLUE
+        res = previews.queue(db, s.id, "draft")
+        assert (res["prompt"], res["seed"], res["tier"]) == (BLUE, 7, "fast") and "note" not in res
+        with db.session() as ss:
+            job = ss.get(Job, res["jobs"][0])
+            assert job.enqueued_at is not None and job.seed == 7
+        # kombu keeps one list per priority step ("render", then "render\x06\x16<step>")
+        assert sum(r.llen(k) for k in r.scan_iter(match="render*")) == 1
+        assert previews.active == 1 and previews.describe()[0]["prompt"] == BLUE
+        previews.close(s.id)
+        assert previews.active == 0 and not r.exists(f"clipmill:preview:{s.id}:alive")
+        with db.session() as ss:
+            row = ss.get(PreviewSession, s.id)
+            assert row.mode == "farm" and row.started_at is None
+            assert row.ended == "the page closed before a render worker took it"
+        with pytest.raises(PreviewError, match="is not streaming"):
+            previews.steer(s.id, RED)
+        down = FarmPreviews("redis://127.0.0.1:1/0", db, "tiny", str(tmp_path / "out"))
+        with pytest.raises(PreviewError, match=r"^the broker is unreachable \("):
+            down.open(RED)
+    finally:
+        db.dispose()

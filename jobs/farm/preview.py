@@ -218,15 +218,18 @@ class FarmSession:
     def next_payload(self, timeout: float = 0.5) -> tuple[dict | None, dict]:
         """The next frame as the page's ``frame`` event, or None and why not: ``waiting`` (no
         render worker has taken it yet, at most once a second) or ``error`` (it ended)."""
-        self.ch.heartbeat()
-        got = self.ch.read(self.last, int(timeout * 1000))
+        try:
+            self.ch.heartbeat()
+            got = self.ch.read(self.last, int(timeout * 1000))
+            info = {} if got else self.ch.info()
+        except RedisError as e:
+            return None, {"error": f"the broker is unreachable ({e}); the preview's frames come through it"}
         if got:
             self.last, fields = got[0]
             meta = json.loads(fields[b"meta"])
             self.frames += 1
             self.meta, self.last_frame = meta, time.monotonic()
             return payload(meta.pop("index"), meta.pop("prompt"), fields[b"jpeg"], meta), {}
-        info = self.ch.info()
         state = info.get("state")
         if state == "ended" or not info:
             return None, {"error": f"the preview ended on its render worker: {info.get('ended', 'its keys expired')}"}
@@ -283,9 +286,11 @@ class FarmPreviews(SessionTable):
             s.closed = True
             try:
                 s.ch.close()
+                never_started = s.ch.info().get("state", "waiting") == "waiting"
             except RedisError as e:  # the heartbeat expires by itself within ALIVE_S
                 log.warning("preview %s: could not tell the worker the page closed (%s)", sid, e)
-            if s.ch.info().get("state", "waiting") == "waiting":  # never started: record it ended here
+                never_started = False
+            if never_started:  # no worker will record its end: record it here
                 record_end(self.db, sid, 0, f"{why} before a render worker took it")
 
     def steer(self, sid: str, prompt: str) -> dict:
