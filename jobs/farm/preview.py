@@ -76,10 +76,10 @@ class Channel:
     def steer(self, prompt: str) -> None:
         self.r.hset(self.key, "prompt", prompt)
 
-    def read(self, after: str, block_ms: int) -> list[tuple[str, dict]]:
-        """Frames after stream id ``after`` (waiting up to ``block_ms`` for the first)."""
-        got = self.r.xread({self.frames_key: after}, count=KEEP_FRAMES, block=block_ms)
-        return [(i.decode(), f) for _, entries in got for i, f in entries]
+    def read(self, after: str, block_ms: int) -> tuple[str, dict] | None:
+        """The frame after stream id ``after`` (waiting up to ``block_ms`` for it): its id and fields."""
+        got = self.r.xread({self.frames_key: after}, count=1, block=block_ms)
+        return next(((i.decode(), f) for _, entries in got for i, f in entries), None)
 
     def info(self) -> dict:
         return {k.decode(): v.decode() for k, v in self.r.hgetall(self.key).items()}
@@ -225,7 +225,7 @@ class FarmSession:
         except RedisError as e:
             return None, {"error": f"the broker is unreachable ({e}); the preview's frames come through it"}
         if got:
-            self.last, fields = got[0]
+            self.last, fields = got
             meta = json.loads(fields[b"meta"])
             self.frames += 1
             self.meta, self.last_frame = meta, time.monotonic()
