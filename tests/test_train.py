@@ -421,3 +421,26 @@ def test_the_temporal_error_is_the_error_in_how_frames_change():
     iid = torch.randn((4, 4, 8, 16, 16), generator=g)
     assert abs(float(temporal_error(iid, w)) - float((iid**2).mean())) < 0.03  # independent: its own size
     assert float(temporal_error(iid, torch.tensor([2.0, 0, 0, 0]))) < float(temporal_error(iid, w))
+
+
+def test_temporal_match_holds_the_background_changes_to_the_clips_and_fades_with_noise():
+    """The student's optional term (LCMConfig.temporal): zero when the output changes from frame
+    to frame as the clip does (a pan included), positive when the background re-rolls every
+    frame, blind to the shape's cells, and weighted by alpha_bar(t)."""
+    g = torch.Generator().manual_seed(0)
+    z0 = torch.randn(2, 4, 8, 16, 16, generator=g)
+    panned = torch.stack([torch.roll(z0[:, :, 0], i, dims=-1) for i in range(8)], dim=2)  # a pan: the clip's own change
+    background = torch.ones(2, 1, 8, 16, 16)
+    a = torch.ones(2, 1, 1, 1, 1)
+    assert distill.temporal_match(panned, panned, a, background).item() == 0.0
+    boiling = panned + 0.1 * torch.randn(panned.shape, generator=g)
+    loud = distill.temporal_match(boiling, panned, a, background).item()
+    assert loud == pytest.approx(2 * 0.1**2, rel=0.1)  # the difference of two independent re-rolls
+    top = torch.zeros_like(background)  # the background is the top 4 rows; the shape is below
+    top[:, :, :, :4] = 1.0
+    moved = panned.clone()
+    moved[:, :, :, 4:] += torch.randn(moved[:, :, :, 4:].shape, generator=g)  # only where the shape is
+    assert distill.temporal_match(moved, panned, a, top).item() == 0.0
+    assert distill.temporal_match(boiling, panned, 0.25 * a, background).item() == pytest.approx(loud / 4)
+    with pytest.raises(ValueError, match="LCMConfig.temporal=-1"):
+        distill.LCMConfig(temporal=-1)

@@ -57,6 +57,8 @@ class LCMConfig:
     - ``target_decay``: EMA decay of the target network (LCM: 0.95).
     - ``huber_c``: pseudo-Huber constant per latent element; 0 gives the plain L2 loss.
     - ``timestep_scaling``: LCMScheduler's, in the boundary scalings ``c_skip`` and ``c_out``.
+    - ``temporal``: the weight of a term that holds the student's frame-to-frame changes of the
+      background to the clean clip's (:func:`temporal_match`); 0 turns it off.
     """
 
     solver_steps: int = 50
@@ -64,6 +66,7 @@ class LCMConfig:
     target_decay: float = 0.95
     huber_c: float = 0.001
     timestep_scaling: float = 10.0
+    temporal: float = 0.0
 
     def __post_init__(self):
         if not 8 <= self.solver_steps <= 1000 or 1000 % self.solver_steps:
@@ -75,6 +78,8 @@ class LCMConfig:
             raise ValueError(f"LCMConfig.target_decay={self.target_decay}: allowed 0 <= decay < 1")
         if self.huber_c < 0:
             raise ValueError(f"LCMConfig.huber_c={self.huber_c}: must be >= 0")
+        if self.temporal < 0:
+            raise ValueError(f"LCMConfig.temporal={self.temporal}: must be >= 0")
 
 
 def lcm_scheduler(teacher_config, lcm: LCMConfig):
@@ -115,14 +120,16 @@ def grid_timesteps(idx: torch.Tensor, lcm: LCMConfig) -> tuple[torch.Tensor, tor
 def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Tensor, uncond: torch.Tensor,
                      acp: torch.Tensor, lcm: LCMConfig, idx: torch.Tensor | None = None,
                      noise: torch.Tensor | None = None, cells: torch.Tensor | None = None,
-                     noise_shared: float = 0.0) -> torch.Tensor:
+                     noise_shared: float = 0.0, background: torch.Tensor | None = None) -> torch.Tensor:
     """One LCM distillation loss on clean latents ``z0`` (B, C, T, h, w).
 
     ``cond`` (B, tokens, dim) and ``uncond`` (1, tokens, dim) are text states (not yet repeated
     per frame). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
     unless given (the probe gives fixed ones). ``cells`` (B, 1, T, h, w) weights the loss per
     latent cell (``stages.shape_weight``), as in the teacher's loss. ``noise_shared`` is the
-    teacher's noise prior (``pipeline.noise``), which the student inherits.
+    teacher's noise prior (``pipeline.noise``), which the student inherits. With
+    ``lcm.temporal``, ``background`` (B, 1, T, h, w; 1 where the shape is not) is where
+    :func:`temporal_match` holds the frame-to-frame changes to the clip's.
     """
     b, frames = len(z0), z0.shape[2]
     if idx is None:
@@ -141,7 +148,22 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
         x0_target, _ = _x0_eps(target(x_s, s, encoder_hidden_states=ehs_c).sample, x_s, a_s)
         tgt = _bcast(cs_s) * x_s + _bcast(co_s) * x0_target
     err = (pred - tgt) ** 2 if lcm.huber_c == 0 else ((pred - tgt) ** 2 + lcm.huber_c**2).sqrt().sub(lcm.huber_c)
-    return (err if cells is None else err * cells).mean()
+    loss = (err if cells is None else err * cells).mean()
+    if lcm.temporal and background is not None:
+        loss = loss + lcm.temporal * temporal_match(pred, z0, a_t, background)
+    return loss
+
+
+def temporal_match(pred: torch.Tensor, z0: torch.Tensor, a_t: torch.Tensor, background: torch.Tensor) -> torch.Tensor:
+    """The MSE between the frame-to-frame changes of the consistency output ``pred`` and those
+    of the clean clip ``z0`` (B, C, T, h, w), over the cells that are ``background`` in both
+    frames, weighted by each clip's ``alpha_bar(t)`` (``a_t``): near the data the ODE's end is
+    the clip itself, so a texture that re-rolls from frame to frame (boiling) is an error
+    there; at high noise the end is another clip and the term fades out."""
+    dp = pred[:, :, 1:] - pred[:, :, :-1]
+    dz = z0[:, :, 1:] - z0[:, :, :-1]
+    both = background[:, :, 1:] * background[:, :, :-1]
+    return (a_t * both * (dp - dz) ** 2).sum() / (both.sum() * pred.shape[1]).clamp(min=1.0)
 
 
 def consistency_output(unet, x_t: torch.Tensor, t: torch.Tensor, ehs: torch.Tensor, acp: torch.Tensor,
@@ -271,7 +293,8 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
         loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm,
-                                cells=shape_weight(mask, net.shape_gain), noise_shared=net.noise_shared)
+                                cells=shape_weight(mask, net.shape_gain), noise_shared=net.noise_shared,
+                                background=(mask[:, None] <= 0).to(z0.dtype))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
