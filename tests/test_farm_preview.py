@@ -182,10 +182,9 @@ def app_on(broker, monkeypatch):
     """The Celery app of this process sending to ``broker`` (it was built from the environment)."""
     from clipmill.jobs.farm.app import app
 
-    def fresh_pool():
-        if app._pool is not None:
-            app._pool.force_close_all()
-            app._pool = None
+    def fresh_pool():  # drop the app's references to kombu's (shared, still open) pools for the old URL
+        app._pool = None
+        app.amqp._producer_pool = None
 
     fresh_pool()
     monkeypatch.setattr(app.conf, "broker_url", broker)
