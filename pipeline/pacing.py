@@ -1,4 +1,4 @@
-"""The two pieces every cost-driven controller here shares: a sliding window of measured costs
+"""The pieces every cost-driven controller here shares: a sliding window of measured costs
 with a prediction that reacts to a slowdown at once but not to one fast sample, and a hold that
 keeps a decision for a number of ticks after it changed (hysteresis). The nightly tier
 scheduler (``jobs.farm.scheduler``: seconds per step per group) and the streaming preview's
@@ -7,6 +7,7 @@ frame-time scheduler (``pipeline.adaptive``: seconds per step per frame) are bui
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
@@ -63,3 +64,22 @@ class Hold:
     @property
     def left(self) -> int:
         return max(0, self.ticks - self.since)
+
+
+class Pacer:
+    """Hands out items no sooner than ``interval`` seconds apart: a call that finished several
+    frames at once does not deliver them in a burst, and a late one is not caught up on. The
+    preview's frames go out at its frame-time budget this way (the review server, a farm worker,
+    the bench)."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.t_next = time.perf_counter()
+
+    def delay(self) -> float:
+        """Seconds to wait before the next item goes out (and count it as gone then)."""
+        self.t_next = max(self.t_next + self.interval, time.perf_counter())
+        return max(0.0, self.t_next - time.perf_counter())
+
+    def wait(self) -> None:
+        time.sleep(self.delay())

@@ -4,10 +4,12 @@ the order it answers load in, hysteresis, and frame-time stability against fixed
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from clipmill.pipeline.adaptive import AdaptiveConfig, FrameScheduler, PreviewTier, simulate
-from clipmill.pipeline.pacing import CostWindow, Hold
+from clipmill.pipeline.pacing import CostWindow, Hold, Pacer
 
 TIERS = (PreviewTier("high", 64, 2, 8), PreviewTier("medium", 48, 1, 6), PreviewTier("low", 32, 1, 4))
 
@@ -116,3 +118,14 @@ def test_bad_settings_are_refused_with_the_value():
         AdaptiveConfig(budget_s=0)
     with pytest.raises(ValueError, match=r"steps=0: a rendered frame has at least one step"):
         FrameScheduler().record(0.1, 0)
+
+
+def test_the_pacer_spaces_items_by_its_interval_and_does_not_catch_up_after_a_late_one():
+    p = Pacer(0.05)
+    first = p.delay()
+    assert 0.04 < first <= 0.05  # the first goes out one interval after the start
+    time.sleep(first)
+    assert 0.04 < p.delay() <= 0.05  # asked at once after it: one more interval
+    time.sleep(0.2)  # late: the next one goes now, and the one after one interval later, not in a burst
+    assert p.delay() == 0.0
+    assert 0.04 < p.delay() <= 0.05

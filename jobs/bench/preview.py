@@ -23,6 +23,7 @@ import numpy as np
 from clipmill.jobs.review.preview import PREVIEW_TIERS, Session
 from clipmill.pipeline import shapes
 from clipmill.pipeline.adaptive import AdaptiveConfig, FrameScheduler
+from clipmill.pipeline.pacing import Pacer
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
 from clipmill.pipeline.stream import StreamBatch
@@ -55,15 +56,14 @@ def paced_run(r: Renderer, seconds: float, budget_s: float, load_at: float, load
     try:
         t0 = time.perf_counter()
         session.start()
-        t_next = t0
+        pacer = Pacer(budget_s)
         while time.perf_counter() - t0 < seconds:
             if spinner is None and time.perf_counter() - t0 >= load_at:  # the load: a second process takes a core
                 spinner = subprocess.Popen([sys.executable, "-c", SPIN.format(s=load_s)])
             f, info = session.next_frame()
             if f is None:
                 continue
-            t_next = max(t_next + budget_s, time.perf_counter())
-            time.sleep(max(0.0, t_next - time.perf_counter()))
+            pacer.wait()
             delivered.append(time.perf_counter())
             by_tier.setdefault(info["tier"], []).append(f.image)
             dropped += info["drop"]

@@ -43,6 +43,7 @@ from clipmill.jobs.farm.app import app
 from clipmill.jobs.farm.dispatch import BrokerDown, send_render
 from clipmill.jobs.review.preview import (PreviewError, SessionTable, check_prompt, jpeg, new_id, new_session,
                                           payload, queue_prompt, record_end, record_open, record_start)
+from clipmill.pipeline.pacing import Pacer
 
 log = logging.getLogger("clipmill.preview")
 
@@ -167,7 +168,7 @@ def _stream(ctx, ch: Channel, spec: dict, worker: str, max_s: float) -> tuple[in
         session = new_session(renderer, spec["prompt"], int(spec["seed"]), budget, ch.sid)
         ch.streaming()
         prompt, why = spec["prompt"], "the page closed"
-        t0 = t_next = time.perf_counter()
+        t0, pacer = time.perf_counter(), Pacer(budget)
         try:
             while True:
                 alive, asked = ch.poll()
@@ -176,17 +177,16 @@ def _stream(ctx, ch: Channel, spec: dict, worker: str, max_s: float) -> tuple[in
                 if time.perf_counter() - t0 > limit:
                     why = f"its time on a render worker is up ({max_s:g} s, CLIPMILL_PREVIEW_MAX)"
                     break
-                if asked and asked != prompt:  # steered: the frames rendered ahead are dropped
-                    prompt = session.pending_prompt = asked
-                    session.flush()
+                if asked and asked != prompt:
+                    session.steer(asked)
+                    prompt = asked
                 f, info = session.next_frame(timeout=0.2)
                 if f is None:
                     if "error" in info:
                         raise StreamFailed(info["error"])
                     continue
                 # paced here, at the budget; the review server relays them as they come
-                t_next = max(t_next + budget, time.perf_counter())
-                time.sleep(max(0.0, t_next - time.perf_counter()))
+                pacer.wait()
                 ch.publish(jpeg(f.image), {"index": f.index, "prompt": f.prompt, **info, "worker": worker})
         finally:
             session.close()

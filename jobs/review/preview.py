@@ -105,6 +105,12 @@ class Session:
                     except queue.Full:
                         continue
 
+    def steer(self, prompt: str) -> None:
+        """Follow ``prompt`` from the next call on, dropping the frames rendered ahead under the
+        old one (so the new prompt shows sooner)."""
+        self.pending_prompt = prompt
+        self.flush()
+
     def flush(self) -> None:
         """Drop the frames rendered ahead under the old prompt (a steer shows the new one sooner)."""
         while True:
@@ -218,8 +224,7 @@ class Previews(SessionTable):
 
     def steer(self, sid: str, prompt: str) -> dict:
         s = self.get(sid)
-        s.pending_prompt = check_prompt(prompt)
-        s.flush()
+        s.steer(check_prompt(prompt))
         return {"session": sid, "prompt": s.pending_prompt}
 
 

@@ -16,7 +16,6 @@ import asyncio
 import hmac
 import json
 import secrets
-import time
 from dataclasses import fields, replace
 from datetime import datetime
 from pathlib import Path
@@ -37,6 +36,7 @@ from clipmill.jobs.review import ads as ad_review
 from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, ReviewError, View, decide, decide_many,
                                             last_decision_id, matching, media_key, operator_summary, page_of)
 from clipmill.jobs.review.preview import PreviewError, Previews
+from clipmill.pipeline.pacing import Pacer
 from clipmill.qc.margin import REASON_KINDS
 from clipmill.storage import LocalStorage, open_storage
 
@@ -192,7 +192,7 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
         async def events():
             try:
                 yield f"event: session\ndata: {json.dumps({'session': session.id, 'seed': seed})}\n\n"
-                t_next = time.perf_counter()
+                pacer = Pacer(previews.pace_s) if previews.pace_s else None
                 while not session.closed:
                     if await request.is_disconnected():
                         break
@@ -205,9 +205,8 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
                         if "waiting" in info:
                             yield f"event: waiting\ndata: {json.dumps(info)}\n\n"
                         continue
-                    if previews.pace_s:  # at the frame-time budget, not in bursts of a call's frames
-                        t_next = max(t_next + previews.pace_s, time.perf_counter())
-                        await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                    if pacer is not None:  # at the frame-time budget, not in bursts of a call's frames
+                        await asyncio.sleep(pacer.delay())
                     yield f"event: frame\ndata: {json.dumps(data)}\n\n"
             finally:
                 previews.close(session.id)
