@@ -190,6 +190,20 @@ def is_held_out(spec: Spec) -> bool:
     return spec.combo in HELD_OUT
 
 
+_REVERSED_MOTION = {"moves left": "moves right", "moves right": "moves left", "moves up": "moves down",
+                    "moves down": "moves up", "stays still": "stays still"}
+_REVERSED_CAMERA = {"static shot": "static shot", "pan left": "pan right", "pan right": "pan left"}
+
+
+def reversed_spec(spec: Spec) -> Spec | None:
+    """What a clip of ``spec`` shows played backwards: the motion and the pan swap direction
+    (the paths are linear in time, so the reversed clip obeys the conventions too). None for a
+    zoom in, whose reverse (a zoom out) the grammar has no words for."""
+    if spec.camera not in _REVERSED_CAMERA:
+        return None
+    return Spec(spec.colour, spec.shape, _REVERSED_MOTION[spec.motion], spec.background, _REVERSED_CAMERA[spec.camera])
+
+
 Split = Literal["train", "heldout", "all"]
 
 

@@ -138,3 +138,18 @@ def test_frechet_and_read_distances_on_known_sets():
     assert adherence.read_distance(a, a[:3] + a[:3])["shape"] >= 0  # defined, within [0, 1]
     same_words = adherence.read_distance(a, list(reversed(a)))  # a reordering draws the same words
     assert set(same_words.values()) == {0.0}
+
+
+def test_a_clip_played_backwards_shows_its_reversed_spec():
+    """``reversed_spec`` is what the analyzer reads in the frames in reverse order: the motion
+    and the pan swap direction; a zoom in has no reverse in the grammar."""
+    rng = np.random.default_rng(11)
+    specs = [s for s in shapes.all_specs() if s.camera != "zoom in"]
+    for k in rng.choice(len(specs), 12, replace=False):
+        spec = specs[int(k)]
+        back = shapes.reversed_spec(spec)
+        clip = shapes.render(spec, int(k))
+        assert adherence.analyze(clip.frames[::-1].copy()).label() == back.as_dict(), (spec, back)
+    assert shapes.reversed_spec(shapes.Spec("red", "circle", "moves up", "grey", "zoom in")) is None
+    assert shapes.reversed_spec(shapes.Spec("red", "circle", "moves up", "grey", "pan left")) == shapes.Spec(
+        "red", "circle", "moves down", "grey", "pan right")

@@ -158,6 +158,25 @@ def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_pat
         spec = shapes.Spec(*(shapes.VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, lab)))
         assert cap in (clean_caption(shapes.caption(spec, "en")), clean_caption(shapes.caption(spec, "zh")))
 
+    # played backwards: the reversed frames under the reversed spec's caption, never a held-out one
+    plain, backwards = PoolData(clean_caption, 5, pool), PoolData(clean_caption, 5, pool)
+    z0, m0, _, lab0 = plain.latents(200)
+    z1, m1, caps1, lab1 = backwards.latents(200, reverse=1.0)
+    assert torch.equal(z1.abs().sum(), z0.abs().sum())  # the same clips drawn (the rows come first)
+    flipped = 0
+    for i in range(200):
+        spec = shapes.Spec(*(shapes.VOCAB[a][j] for a, j in zip(shapes.ATTRIBUTES, lab0[i].tolist())))
+        got = shapes.Spec(*(shapes.VOCAB[a][j] for a, j in zip(shapes.ATTRIBUTES, lab1[i].tolist())))
+        back = shapes.reversed_spec(spec)
+        assert not shapes.is_held_out(got)
+        if back is not None and not shapes.is_held_out(back):
+            flipped += 1
+            assert got == back and torch.equal(z1[i], z0[i].flip(1)) and torch.equal(m1[i], m0[i].flip(0))
+            assert caps1[i] in (clean_caption(shapes.caption(back, "en")), clean_caption(shapes.caption(back, "zh")))
+        else:
+            assert got == spec and torch.equal(z1[i], z0[i])
+    assert 80 < flipped < 200
+
 
 def test_a_killed_stage_resumes_exactly(tmp_path, single_thread):
     cfg = StageConfig(steps=6, batch=8, lr=3e-3, ckpt_every=2, log_every=2, eval_every=0, seed=3)

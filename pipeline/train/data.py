@@ -177,13 +177,29 @@ class PoolData(ShapesData):
         super().__init__(clean, seed, pool.split, languages)
         self.latent_pool = pool
 
-    def latents(self, n: int) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
+    def latents(self, n: int, reverse: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, list[str], torch.Tensor]:
         """(latents (n, C, T, h, w) float32, shape masks (n, T, h, w) float32, cleaned captions,
-        labels (n, 5))."""
+        labels (n, 5)).
+
+        With ``reverse`` > 0, each clip is played backwards with that probability, captioned
+        with its reversed spec (``shapes.reversed_spec``: the motion and the pan swap), when
+        the grammar has words for it and the reversed combination is not held out. The VAE
+        encodes frames one by one, so the reversed latents are the latents of the reversed
+        clip. (0 draws nothing extra: the stream stays what it was.)"""
         rows = self.rng.integers(0, len(self.latent_pool), n)
         specs = [self.latent_pool.specs[int(self.latent_pool.spec_index[r])] for r in rows]
+        flip = [False] * n
+        if reverse > 0:
+            for i, s in enumerate(specs):
+                back = shapes.reversed_spec(s)
+                if self.rng.random() < reverse and back is not None and not shapes.is_held_out(back):
+                    specs[i], flip[i] = back, True
         langs = [self.languages[int(self.rng.integers(len(self.languages)))] for _ in rows]
         caps = [self.cleaned(shapes.caption(s, lang)) for s, lang in zip(specs, langs)]  # type: ignore[arg-type]
         labels = torch.tensor([labels_of(s) for s in specs])
         pick = torch.from_numpy(rows)
-        return self.latent_pool.latents[pick].float(), self.latent_pool.masks[pick].float(), caps, labels
+        z, mask = self.latent_pool.latents[pick].float(), self.latent_pool.masks[pick].float()
+        if any(flip):
+            f = torch.tensor(flip)
+            z[f], mask[f] = z[f].flip(2), mask[f].flip(1)
+        return z, mask, caps, labels

@@ -289,7 +289,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     losses = result.losses
     while step < cfg.steps:
         step += 1
-        z0, mask, captions, _ = data.latents(cfg.batch)
+        z0, mask, captions, _ = data.latents(cfg.batch, net.reverse)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
         loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm,

@@ -535,6 +535,10 @@ class DenoiserConfig:
       trained on independent noise first and then fine-tuned with the prior; 0: from the start).
       The student always distils with ``noise_shared``.
     - ``temporal``: the weight of the frame-to-frame error term (:func:`temporal_error`).
+    - ``reverse``: the probability that a training clip is played backwards, with its caption's
+      motion and pan swapped (``PoolData.latents``): the same frames under both captions, so
+      that only the direction of time tells "moves up" from "moves down". The student draws
+      its clips the same way (its targets are still the teacher's).
     """
 
     unet: nets.UNetSpec = nets.TEACHER
@@ -549,6 +553,7 @@ class DenoiserConfig:
     noise_shared: float = 0.0
     prior_from: int = 0
     temporal: float = 0.0
+    reverse: float = 0.0
 
     def __post_init__(self):
         if self.timesteps not in ("uniform", "logit_normal"):
@@ -560,6 +565,8 @@ class DenoiserConfig:
         video_noise.check_shared(self.noise_shared)
         if self.temporal < 0 or self.prior_from < 0:
             raise ValueError(f"DenoiserConfig temporal={self.temporal}, prior_from={self.prior_from}: must be >= 0")
+        if not 0.0 <= self.reverse <= 1.0:
+            raise ValueError(f"DenoiserConfig.reverse={self.reverse}: a probability, 0 to 1")
 
     def shared_at(self, step: int) -> float:
         """The noise prior the teacher trains with at ``step`` (1-based): ``noise_shared`` after
@@ -629,7 +636,7 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
     unet.train()
     while step < cfg.steps:
         step += 1
-        z0, mask, captions, _ = data.latents(cfg.batch)
+        z0, mask, captions, _ = data.latents(cfg.batch, net.reverse)
         caps = [("" if data.rng.random() < net.cfg_drop else c) for c in captions]
         cond = text(caps)
         noise = video_noise.like(z0, net.shared_at(step))
