@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterator, Literal
 
 import cv2
@@ -201,7 +201,7 @@ def reversed_spec(spec: Spec) -> Spec | None:
     zoom in, whose reverse (a zoom out) the grammar has no words for."""
     if spec.camera not in _REVERSED_CAMERA:
         return None
-    return Spec(spec.colour, spec.shape, _REVERSED_MOTION[spec.motion], spec.background, _REVERSED_CAMERA[spec.camera])
+    return replace(spec, motion=_REVERSED_MOTION[spec.motion], camera=_REVERSED_CAMERA[spec.camera])
 
 
 Split = Literal["train", "heldout", "all"]

@@ -134,6 +134,11 @@ def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
     assert t.tolist() == [19, 39, 999] and s.tolist() == [0, 19, 979]
 
 
+def _spec_of(labels: list[int]) -> shapes.Spec:
+    """The spec whose attribute indices (``data.labels_of``) are ``labels``."""
+    return shapes.Spec(*(shapes.VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, labels)))
+
+
 def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_path, monkeypatch):
     monkeypatch.setattr(LatentPool, "CHUNK", 4)
     calls = []
@@ -155,7 +160,7 @@ def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_pat
     assert z.shape == (6, 3, shapes.FRAMES, 16, 16) and z.dtype == torch.float32 and len(captions) == 6
     assert mask.shape == (6, shapes.FRAMES, 16, 16) and 0 < mask.mean() < 0.25 and mask.max() == 1.0
     for cap, lab in zip(captions, labels.tolist()):  # every caption names its clip's spec
-        spec = shapes.Spec(*(shapes.VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, lab)))
+        spec = _spec_of(lab)
         assert cap in (clean_caption(shapes.caption(spec, "en")), clean_caption(shapes.caption(spec, "zh")))
 
     # played backwards: the reversed frames under the reversed spec's caption, never a held-out one
@@ -165,8 +170,7 @@ def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_pat
     assert torch.equal(z1.abs().sum(), z0.abs().sum())  # the same clips drawn (the rows come first)
     flipped = 0
     for i in range(200):
-        spec = shapes.Spec(*(shapes.VOCAB[a][j] for a, j in zip(shapes.ATTRIBUTES, lab0[i].tolist())))
-        got = shapes.Spec(*(shapes.VOCAB[a][j] for a, j in zip(shapes.ATTRIBUTES, lab1[i].tolist())))
+        spec, got = _spec_of(lab0[i].tolist()), _spec_of(lab1[i].tolist())
         back = shapes.reversed_spec(spec)
         assert not shapes.is_held_out(got)
         if back is not None and not shapes.is_held_out(back):
