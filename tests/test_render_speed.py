@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from clipmill.jobs.bench.ladder import world_requests
+from clipmill.pipeline import shapes
 from clipmill.pipeline.deepcache import DeepCache, DeepCacheConfig
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
@@ -382,6 +384,11 @@ def test_bench_adherence_rows_teacher_steps_and_student_tiers(tmp_path, tiny_cac
         for key in ("adherence", "adherence_heldout", "adherence_train"):
             assert set(r[key]) == {"colour", "shape", "motion", "background", "camera"}
         assert ("qc_passed" in r) == (r["model"] == "student")
+        # per asked motion, what was read: every clip counted once, under its own asked motion
+        conf = r["motion_confusion"]
+        assert list(conf) == list(shapes.MOTIONS) and sum(sum(v.values()) for v in conf.values()) == 4
+        asked = [shapes.parse(q.prompt).motion for q in world_requests((64, 64), 8, 4, seed=3)]
+        assert {m: sum(conf[m].values()) for m in conf} == {m: asked.count(m) for m in shapes.MOTIONS}
     with pytest.raises(ValueError, match="not a shapes-world model"):
         adherence_table(model_info("tiny"), clips=2)
 

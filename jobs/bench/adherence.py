@@ -8,7 +8,8 @@ combinations, half in Chinese; ``ladder.world_requests``) are rendered by:
 - the distilled student at the ``quality`` (8) and ``fast`` (6) tiers, as a batch renders them.
 
 Per row: adherence per attribute over all clips, over the held-out combinations and over the
-training split, and, for the student rows, the share of clips that QC (the post stage's own
+training split; the motion's confusion (``motion_confusion``: per asked motion, what the analyzer
+read, so that the directions a model confuses show: up against down, say); and, for the student rows, the share of clips that QC (the post stage's own
 code: interpolation, H.264, QC) passes. Everything goes through the production renderer.
 """
 
@@ -78,6 +79,7 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
                 "adherence": _round(adh.adherence(a, specs)),
                 "adherence_heldout": _round(adh.adherence(a[0::2], specs[0::2])),
                 "adherence_train": _round(adh.adherence(a[1::2], specs[1::2])),
+                "motion_confusion": adh.confusion(a, specs, "motion"),
             }
             if not is_teacher:
                 rate, reasons = qc_pass_rate(results, fps_out, qc)
@@ -93,3 +95,8 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
 
 def _round(d: dict) -> dict:
     return {k: round(v, 4) for k, v in d.items()}
+
+
+def motion_by_asked(confusion: dict[str, dict[str, int]]) -> str:
+    """``right/asked`` per asked motion, in the grammar's order: '7/10 6/9 2/8 3/9 8/8'."""
+    return " ".join(f"{row.get(asked, 0)}/{sum(row.values())}" for asked, row in confusion.items())

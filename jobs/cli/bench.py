@@ -207,7 +207,7 @@ def _failures(info, size, frames, device, clips, qc_cfg, as_json) -> None:
 def _adherence(info, device, clips, qc_cfg, as_json) -> None:
     from rich.table import Table
 
-    from clipmill.jobs.bench.adherence import adherence_table
+    from clipmill.jobs.bench.adherence import adherence_table, motion_by_asked
     from clipmill.pipeline.shapes import ATTRIBUTES
 
     result = adherence_table(info, clips, device=device, qc=qc_cfg,
@@ -215,12 +215,14 @@ def _adherence(info, device, clips, qc_cfg, as_json) -> None:
     if as_json:
         click.echo(json.dumps(result))
         return
-    t = Table("row", *ATTRIBUTES, "held-out c/s/m/b/k", "train c/s/m/b/k", "QC passed", "s/clip",
+    t = Table("row", *ATTRIBUTES, "held-out c/s/m/b/k", "train c/s/m/b/k", "motion right: left right up down still",
+              "QC passed", "s/clip",
               title=f"adherence on {result['clips']} shapes prompts ({result['heldout_clips']} held out), {info.name}")
     for r in result["rows"]:
         t.add_row(r["row"], *(f"{r['adherence'][k]:.1%}" for k in ATTRIBUTES),
                   "/".join(f"{r['adherence_heldout'][k] * 100:.0f}" for k in ATTRIBUTES),
                   "/".join(f"{r['adherence_train'][k] * 100:.0f}" for k in ATTRIBUTES),
+                  motion_by_asked(r["motion_confusion"]),
                   "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['render_s_per_clip']:.3f}")
     out.print(t)
 
