@@ -370,6 +370,16 @@ def world_model_with_teacher(tmp_path):
     return folder
 
 
+def test_motion_by_asked_counts_right_over_asked_in_the_grammars_order():
+    from clipmill.jobs.bench.adherence import motion_by_asked
+
+    conf = {m: {} for m in shapes.MOTIONS}
+    conf["moves up"] = {"moves up": 2, "moves down": 3}
+    conf["stays still"] = {"stays still": 4}
+    conf["moves left"] = {"moves right": 1, "None": 1}
+    assert motion_by_asked(conf) == "0/2 0/0 2/5 0/0 4/4"
+
+
 @pytest.mark.slow
 def test_bench_adherence_rows_teacher_steps_and_student_tiers(tmp_path, tiny_cache):
     from clipmill.jobs.bench.adherence import adherence_table

@@ -9,8 +9,9 @@ combinations, half in Chinese; ``ladder.world_requests``) are rendered by:
 
 Per row: adherence per attribute over all clips, over the held-out combinations and over the
 training split; the motion's confusion (``motion_confusion``: per asked motion, what the analyzer
-read, so that the directions a model confuses show: up against down, say); and, for the student rows, the share of clips that QC (the post stage's own
-code: interpolation, H.264, QC) passes. Everything goes through the production renderer.
+read, so that the directions a model confuses show: up against down, say); and, for the student
+rows, the share of clips that QC (the post stage's own code: interpolation, H.264, QC) passes.
+Everything goes through the production renderer.
 """
 
 from __future__ import annotations
