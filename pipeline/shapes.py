@@ -17,6 +17,13 @@ The world is fixed so that any careful reader of a clip agrees with its caption:
 - **Camera.** ``pan left`` / ``pan right`` move the view by 10-14% of the frame side over the clip,
   so the background drifts the *other* way on screen (a pan right drifts it left). ``zoom in``
   magnifies by 1.25-1.4x about the frame centre.
+- **Training-only camera moves.** ``tilt up`` / ``tilt down`` (上摇 / 下摇, terms the project's
+  cleaning already knows) move the view up or down as a pan moves it sideways, so the background
+  drifts the other way vertically. They are not in the grammar: no prompt of the benchmark asks
+  for them, the analyzer does not read them, and :func:`all_specs` and :func:`parse` leave them
+  out. A training run may mix them in (:func:`tilt_specs`) so that a vertical move of the whole
+  frame is seen as often as a horizontal one. Their texture is checks or noise, never vertical
+  stripes (which a tilt would not move).
 - **Motion** is relative to the background. A moving shape travels 28-36% of the frame side
   relative to the background, and at least 10% on screen in the same direction; it stays fully
   in frame. ``stays still`` means fixed to the background: it drifts with a pan, and under a zoom
@@ -45,12 +52,15 @@ SHAPES = ("circle", "square", "triangle")
 MOTIONS = ("moves left", "moves right", "moves up", "moves down", "stays still")
 BACKGROUNDS = ("black", "grey", "beige")
 CAMERAS = ("static shot", "pan left", "pan right", "zoom in")
+TILTS = ("tilt up", "tilt down")  # training-only camera moves (not in the grammar)
+TRAIN_CAMERAS = CAMERAS + TILTS
 
 COLOURS_ZH = dict(zip(COLOURS, ("红色", "绿色", "蓝色", "黄色", "白色")))
 SHAPES_ZH = dict(zip(SHAPES, ("圆形", "方形", "三角形")))
 MOTIONS_ZH = dict(zip(MOTIONS, ("向左移动", "向右移动", "向上移动", "向下移动", "静止不动")))
 BACKGROUNDS_ZH = dict(zip(BACKGROUNDS, ("黑色", "灰色", "米色")))
 CAMERAS_ZH = dict(zip(CAMERAS, ("固定镜头", "左摇", "右摇", "变焦推进")))
+TILTS_ZH = dict(zip(TILTS, ("上摇", "下摇")))
 
 ATTRIBUTES = ("colour", "shape", "motion", "background", "camera")
 VOCAB: dict[str, tuple[str, ...]] = {
@@ -98,7 +108,8 @@ _SUPERSAMPLE = 4  # the shape is drawn at 4x and area-downsampled: smooth, exact
 
 @dataclass(frozen=True)
 class Spec:
-    """What a clip shows: one value of each attribute of the grammar."""
+    """What a clip shows: one value of each attribute of the grammar (or, for the camera, one of
+    the training-only :data:`TILTS`)."""
 
     colour: str
     shape: str
@@ -109,8 +120,9 @@ class Spec:
     def __post_init__(self) -> None:
         for name in ATTRIBUTES:
             value = getattr(self, name)
-            if value not in VOCAB[name]:
-                raise ValueError(f"{name}={value!r} is not in the grammar; allowed: {', '.join(VOCAB[name])}")
+            allowed = TRAIN_CAMERAS if name == "camera" else VOCAB[name]
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not in the grammar; allowed: {', '.join(allowed)}")
 
     def as_dict(self) -> dict[str, str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -129,7 +141,7 @@ def caption_en(spec: Spec) -> str:
 def caption_zh(spec: Spec) -> str:
     """``{颜色}{形状}{运动}，{背景}背景，{镜头}``"""
     return (f"{COLOURS_ZH[spec.colour]}{SHAPES_ZH[spec.shape]}{MOTIONS_ZH[spec.motion]}，"
-            f"{BACKGROUNDS_ZH[spec.background]}背景，{CAMERAS_ZH[spec.camera]}")
+            f"{BACKGROUNDS_ZH[spec.background]}背景，{CAMERAS_ZH.get(spec.camera) or TILTS_ZH[spec.camera]}")
 
 
 def caption(spec: Spec, language: Literal["en", "zh"] = "en") -> str:
@@ -192,7 +204,8 @@ def is_held_out(spec: Spec) -> bool:
 
 _REVERSED_MOTION = {"moves left": "moves right", "moves right": "moves left", "moves up": "moves down",
                     "moves down": "moves up", "stays still": "stays still"}
-_REVERSED_CAMERA = {"static shot": "static shot", "pan left": "pan right", "pan right": "pan left"}
+_REVERSED_CAMERA = {"static shot": "static shot", "pan left": "pan right", "pan right": "pan left",
+                    "tilt up": "tilt down", "tilt down": "tilt up"}
 
 
 def reversed_spec(spec: Spec) -> Spec | None:
@@ -219,6 +232,12 @@ def split_specs(split: Split) -> list[Spec]:
     raise ValueError(f"split={split!r}; allowed: train, heldout, all")
 
 
+def tilt_specs() -> list[Spec]:
+    """Every training-only spec with a vertical camera move (5 * 3 * 5 * 3 * 2 = 450), in a fixed
+    order. None is in the grammar, so none is held out."""
+    return [Spec(*v) for v in itertools.product(COLOURS, SHAPES, MOTIONS, BACKGROUNDS, TILTS)]
+
+
 def sample_specs(rng: np.random.Generator, n: int, split: Split = "train") -> list[Spec]:
     """``n`` specs drawn uniformly (with replacement) from ``split``."""
     pool = split_specs(split)
@@ -243,7 +262,7 @@ class Layout:
     size: float  # shape box side at zoom 1
     start: tuple[float, float]  # shape centre in world coordinates (world = screen at frame 0)
     travel: float  # the shape's travel relative to the background
-    pan: float  # the view's travel (signed: + is right)
+    pan: float  # the view's travel (signed: + is right; + is down under a tilt)
     zoom: float  # magnification at the last frame
     texture: str
     period: float
@@ -270,25 +289,38 @@ _DIRECTION = {
 
 
 def camera_path(camera: str, frames: int, pan: float, zoom: float) -> tuple[np.ndarray, np.ndarray]:
-    """The view centre's x offset (world px, + is right) and the magnification, per frame."""
+    """The view centre's x offset (world px, + is right) and the magnification, per frame (a
+    tilt's offset is along y: :func:`view_path`)."""
+    dx, _, z = view_path(camera, frames, pan, zoom)
+    return dx, z
+
+
+def view_path(camera: str, frames: int, pan: float, zoom: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The view centre's offset (x, + is right; y, + is down; world px) and the magnification,
+    per frame."""
     u = np.linspace(0.0, 1.0, frames)
-    dx = np.zeros(frames)
+    dx, dy = np.zeros(frames), np.zeros(frames)
     z = np.ones(frames)
     if camera == "pan left":
         dx = -pan * u
     elif camera == "pan right":
         dx = pan * u
+    elif camera == "tilt up":
+        dy = -pan * u
+    elif camera == "tilt down":
+        dy = pan * u
     elif camera == "zoom in":
         z = zoom ** u
-    return dx, z
+    return dx, dy, z
 
 
-def _to_screen(world: np.ndarray, dx: np.ndarray, z: np.ndarray, side: int) -> np.ndarray:
-    """World points (T, 2) to screen points (T, 2), with the view centred on (side/2 + dx, side/2)."""
+def _to_screen(world: np.ndarray, dx: np.ndarray, dy: np.ndarray, z: np.ndarray, side: int) -> np.ndarray:
+    """World points (T, 2) to screen points (T, 2), with the view centred on
+    (side/2 + dx, side/2 + dy)."""
     c = side / 2.0
     out = np.empty_like(world)
     out[:, 0] = (world[:, 0] - c - dx) * z + c
-    out[:, 1] = (world[:, 1] - c) * z + c
+    out[:, 1] = (world[:, 1] - c - dy) * z + c
     return out
 
 
@@ -297,9 +329,9 @@ def _layout(spec: Spec, rng: np.random.Generator, frames: int, side: int) -> tup
     r = lambda lo_hi: float(rng.uniform(*lo_hi))  # noqa: E731
     size = r(SHAPE_SIZE) * side
     travel = r(TRAVEL) * side if spec.motion != "stays still" else 0.0
-    pan = r(PAN) * side * (-1.0 if spec.camera == "pan left" else 1.0)
+    pan = r(PAN) * side * (-1.0 if spec.camera in ("pan left", "tilt up") else 1.0)
     zoom = r(ZOOM)
-    dx, z = camera_path(spec.camera, frames, abs(pan), zoom)
+    dx, dy, z = view_path(spec.camera, frames, abs(pan), zoom)
     direction = np.array(_DIRECTION[spec.motion])
     u = np.linspace(0.0, 1.0, frames)[:, None]
     for attempt in range(400):
@@ -310,7 +342,7 @@ def _layout(spec: Spec, rng: np.random.Generator, frames: int, side: int) -> tup
         start = rng.uniform(half0, side - half0, size=2)
         # The start is chosen on screen at frame 0, where screen == world.
         world = start[None, :] + travel * direction[None, :] * u
-        screen = _to_screen(world, dx, z, side)
+        screen = _to_screen(world, dx, dy, z, side)
         half = size * z / 2 + MARGIN
         inside = np.all(screen - half[:, None] >= 0) and np.all(screen + half[:, None] <= side)
         if not inside:
@@ -328,11 +360,20 @@ def _layout(spec: Spec, rng: np.random.Generator, frames: int, side: int) -> tup
     base = np.clip(nominal * (1.0 + rng.uniform(-BACKGROUND_JITTER, BACKGROUND_JITTER, 3)), 0, 255)
     layout = Layout(
         size=size, start=(float(start[0]), float(start[1])), travel=travel,
-        pan=pan if spec.camera.startswith("pan") else 0.0, zoom=zoom if spec.camera == "zoom in" else 1.0, texture=TEXTURES[int(rng.integers(len(TEXTURES)))],
+        pan=pan if spec.camera.startswith(("pan", "tilt")) else 0.0, zoom=zoom if spec.camera == "zoom in" else 1.0,
+        texture=_texture_kind(spec, rng),
         period=r(PERIOD) * side / 64.0, amp=r(TEXTURE_AMP[spec.background]),
         colour=tuple(colour.tolist()), base=tuple(base.tolist()),
     )
     return layout, screen
+
+
+def _texture_kind(spec: Spec, rng: np.random.Generator) -> str:
+    # One draw either way, so a tilt's clip draws the same numbers after it as any other.
+    k = int(rng.integers(len(TEXTURES)))
+    if spec.camera in TILTS and TEXTURES[k] == "stripes":  # vertical stripes would hide a tilt
+        return "checks"
+    return TEXTURES[k]
 
 
 def _texture_fn(layout: Layout, rng: np.random.Generator):
@@ -389,7 +430,7 @@ def render(spec: Spec, seed: int, frames: int = FRAMES, size: int = SIZE) -> Cli
     rng = np.random.default_rng([seed, 0x5EA9E])
     layout, screen = _layout(spec, rng, frames, size)
     tex = _texture_fn(layout, rng)
-    dx, z = camera_path(spec.camera, frames, abs(layout.pan), layout.zoom)
+    dx, dy, z = view_path(spec.camera, frames, abs(layout.pan), layout.zoom)
     c = size / 2.0
     ys, xs = np.mgrid[0:size, 0:size].astype(np.float64) + 0.5
     base = np.array(layout.base)
@@ -398,7 +439,7 @@ def render(spec: Spec, seed: int, frames: int = FRAMES, size: int = SIZE) -> Cli
     alpha = np.empty((frames, size, size), np.float32)
     for t in range(frames):
         wx = (xs - c) / z[t] + c + dx[t]
-        wy = (ys - c) / z[t] + c
+        wy = (ys - c) / z[t] + c + dy[t]
         # area-average the texture over the pixel (2x2 samples) so edges do not alias
         o = 0.25 / z[t]
         tt = sum(tex(wx + a, wy + b) for a in (-o, o) for b in (-o, o)) / 4.0

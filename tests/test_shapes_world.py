@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import cv2
 import numpy as np
 import pytest
 
@@ -153,3 +154,34 @@ def test_a_clip_played_backwards_shows_its_reversed_spec():
     assert shapes.reversed_spec(shapes.Spec("red", "circle", "moves up", "grey", "zoom in")) is None
     assert shapes.reversed_spec(shapes.Spec("red", "circle", "moves up", "grey", "pan left")) == shapes.Spec(
         "red", "circle", "moves down", "grey", "pan right")
+
+
+def test_a_tilt_moves_the_background_vertically_and_stays_out_of_the_grammar():
+    """The training-only tilts: a tilt up moves the view up, so the background (and a shape fixed
+    to it) drifts down on screen, by 10-14% of the side; the texture is never vertical stripes
+    (which a tilt would not move); no tilt is in the grammar, the held-out split or ``parse``."""
+    for k, seed in enumerate(range(30)):
+        camera = shapes.TILTS[k % 2]
+        spec = shapes.Spec("red", "square", "stays still", ("black", "grey", "beige")[k % 3], camera)
+        clip = shapes.render(spec, seed)
+        drift = clip.centres[-1] - clip.centres[0]
+        assert abs(drift[0]) < 1e-3 and (1 if camera == "tilt up" else -1) * drift[1] >= 0.10 * shapes.SIZE, (spec, drift)
+        assert clip.layout.texture in ("checks", "noise")
+        # per frame the background moves less than half the texture's period
+        assert abs(clip.layout.pan) / (shapes.FRAMES - 1) < clip.layout.period / 2
+        # the frames themselves shift vertically, the drift's way (phase correlation of the soft
+        # textures reads 0.4-1.0 of the true shift; the noise texture the least)
+        g = clip.frames[..., 1].astype(np.float64)
+        shift = np.sum([cv2.phaseCorrelate(g[t], g[t + 1])[0] for t in range(shapes.FRAMES - 1)], axis=0)
+        assert 0.4 * abs(drift[1]) < np.sign(drift[1]) * shift[1] < 1.2 * abs(drift[1]) and abs(shift[0]) < 1.0, \
+            (spec, shift, drift)
+    mover = shapes.render(shapes.Spec("red", "circle", "moves up", "grey", "tilt down"), 9)
+    assert (mover.centres[-1] - mover.centres[0])[1] <= -0.10 * shapes.SIZE  # up on screen, the tilt notwithstanding
+    assert len(shapes.tilt_specs()) == 450 and not any(shapes.is_held_out(s) for s in shapes.tilt_specs())
+    assert not {s.camera for s in shapes.all_specs()} & set(shapes.TILTS)
+    tilt = shapes.Spec("blue", "circle", "moves up", "grey", "tilt up")
+    assert shapes.caption_zh(tilt) == "蓝色圆形向上移动，灰色背景，上摇"
+    assert shapes.parse(shapes.caption_en(tilt)) is None and shapes.parse(shapes.caption_zh(tilt)) is None
+    assert shapes.reversed_spec(tilt) == shapes.Spec("blue", "circle", "moves down", "grey", "tilt down")
+    with pytest.raises(ValueError, match="allowed: static shot, pan left, pan right, zoom in, tilt up, tilt down"):
+        shapes.Spec("blue", "circle", "moves up", "grey", "tilt left")

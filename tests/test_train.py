@@ -136,7 +136,8 @@ def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
 
 def _spec_of(labels: list[int]) -> shapes.Spec:
     """The spec whose attribute indices (``data.labels_of``) are ``labels``."""
-    return shapes.Spec(*(shapes.VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, labels)))
+    return shapes.Spec(*((shapes.TRAIN_CAMERAS if a == "camera" else shapes.VOCAB[a])[i]
+                         for a, i in zip(shapes.ATTRIBUTES, labels)))
 
 
 def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_path, monkeypatch):
@@ -180,6 +181,32 @@ def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_pat
         else:
             assert got == spec and torch.equal(z1[i], z0[i])
     assert 80 < flipped < 200
+
+
+def test_a_pool_with_tilts_draws_that_share_of_vertical_camera_moves_and_keeps_the_rest(tmp_path):
+    def encode(vae, frames):  # stands in for the VAE, as above
+        return frames[:, :, :, ::4, ::4].permute(0, 2, 1, 3, 4)
+
+    plain = LatentPool.build(tmp_path / "plain", None, "vae-a", 60, 3, lambda m: None, encode)
+    tilted = LatentPool.build(tmp_path / "tilted", None, "vae-a", 60, 3, lambda m: None, encode, tilt=0.5)
+    cams = [tilted.specs[int(i)].camera for i in tilted.spec_index]
+    n = sum(c in shapes.TILTS for c in cams)
+    assert 15 <= n <= 45 and set(cams) - set(shapes.TILTS)
+    for i in range(60):  # a clip that is not a tilt is the clip the pool without tilts has
+        if cams[i] not in shapes.TILTS:
+            assert tilted.specs[int(tilted.spec_index[i])] == plain.specs[int(plain.spec_index[i])]
+            assert torch.equal(tilted.latents[i], plain.latents[i])
+    data = PoolData(clean_caption, 1, tilted)
+    _, _, captions, labels = data.latents(60)
+    for cap, lab in zip(captions, labels.tolist()):  # a tilt's caption says it, in its cleaned form
+        spec = _spec_of(lab)
+        assert cap in (clean_caption(shapes.caption(spec, "en")), clean_caption(shapes.caption(spec, "zh")))
+        if spec.camera in shapes.TILTS:
+            assert cap.endswith(spec.camera)
+    with pytest.raises(ValueError, match="other settings"):  # a pool folder keeps its share
+        LatentPool.build(tmp_path / "plain", None, "vae-a", 60, 3, lambda m: None, encode, tilt=0.5)
+    with pytest.raises(ValueError, match="DenoiserConfig.tilt=1.0"):
+        DenoiserConfig(tilt=1.0)
 
 
 def test_a_killed_stage_resumes_exactly(tmp_path, single_thread):

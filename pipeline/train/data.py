@@ -40,8 +40,10 @@ class Batch:
 
 
 def labels_of(spec: shapes.Spec) -> list[int]:
-    """The spec's attribute indices, in ``shapes.ATTRIBUTES`` order."""
-    return [shapes.VOCAB[a].index(getattr(spec, a)) for a in shapes.ATTRIBUTES]
+    """The spec's attribute indices, in ``shapes.ATTRIBUTES`` order (a training-only tilt's camera
+    index follows the grammar's four: ``shapes.TRAIN_CAMERAS``)."""
+    return [(shapes.TRAIN_CAMERAS if a == "camera" else shapes.VOCAB[a]).index(getattr(spec, a))
+            for a in shapes.ATTRIBUTES]
 
 
 class ShapesData:
@@ -106,8 +108,8 @@ def file_digest(path: Path) -> str:
 
 class LatentPool:
     """Training clips' scaled latents (N, C, T, h, w) float16, encoded once by a frozen VAE, with
-    their shape masks (N, T, h, w) float16 and each clip's spec index into
-    ``shapes.split_specs(split)``.
+    their shape masks (N, T, h, w) float16 and each clip's spec index into :func:`pool_specs`
+    (``shapes.split_specs(split)``, then, for a pool with tilts, ``shapes.tilt_specs()``).
 
     :meth:`build` writes a folder: ``meta.json`` (what the pool was encoded with) and one
     ``chunk-NNNN.pt`` per :data:`CHUNK` clips, so a killed build resumes at its last chunk. A pool
@@ -117,20 +119,27 @@ class LatentPool:
     CHUNK = 512
 
     def __init__(self, latents: torch.Tensor, masks: torch.Tensor, spec_index: torch.Tensor,
-                 split: shapes.Split = "train"):
+                 split: shapes.Split = "train", tilt: float = 0.0):
         self.latents, self.masks, self.spec_index, self.split = latents, masks, spec_index, split
-        self.specs = shapes.split_specs(split)
+        self.specs = pool_specs(split, tilt)
 
     def __len__(self) -> int:
         return len(self.latents)
 
     @classmethod
     def build(cls, folder: Path, vae, vae_digest: str, clips: int, seed: int, log: Callable[[str], None],
-              encode: Callable, split: shapes.Split = "train") -> LatentPool:
+              encode: Callable, split: shapes.Split = "train", tilt: float = 0.0) -> LatentPool:
         """Load the pool in ``folder``, or encode it (``encode(vae, frames) -> latents``), resuming
-        a partial build. The clips are drawn from ``seed`` alone, so a rebuild gives the same pool."""
+        a partial build. The clips are drawn from ``seed`` alone, so a rebuild gives the same pool.
+
+        ``tilt``: the share of clips drawn from ``shapes.tilt_specs()`` (vertical camera moves,
+        which are not in the grammar) instead of the split; 0 draws the pool it always did."""
         folder = Path(folder)
+        if not 0.0 <= tilt < 1.0:
+            raise ValueError(f"LatentPool.build tilt={tilt}: a share of the clips, 0 to under 1")
         meta = {"vae": vae_digest, "seed": seed, "split": split, "clips": clips, "chunk": cls.CHUNK, "masks": True}
+        if tilt:
+            meta["tilt"] = tilt
         if (folder / "meta.json").exists():
             theirs = json.loads((folder / "meta.json").read_text())
             if theirs != meta:
@@ -139,9 +148,13 @@ class LatentPool:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
         rng = np.random.default_rng([seed, 0x9001])
-        pool = shapes.split_specs(split)
-        idx = rng.integers(0, len(pool), clips)
+        pool = pool_specs(split, tilt)
+        idx = rng.integers(0, len(shapes.split_specs(split)), clips)
         seeds = rng.integers(0, 2**31, clips)
+        if tilt:  # a stream of its own, so that the other clips are the ones a pool without tilts has
+            extra = np.random.default_rng([seed, 0x7117])
+            tilted = extra.random(clips) < tilt
+            idx[tilted] = len(pool) - len(shapes.tilt_specs()) + extra.integers(0, len(shapes.tilt_specs()), int(tilted.sum()))
         starts = range(0, clips, cls.CHUNK)
         todo = [i for i in starts if not (folder / f"chunk-{i // cls.CHUNK:04d}.pt").exists()]
         if todo:
@@ -160,7 +173,12 @@ class LatentPool:
                 log(f"[pool] chunk {k}/{len(todo)}: {rate * 1000:.0f} ms/clip, eta {(left - encoded) * rate / 60:.0f}min")
         chunks = [torch.load(folder / f"chunk-{i // cls.CHUNK:04d}.pt", weights_only=True) for i in starts]
         return cls(torch.cat([c["latents"] for c in chunks]), torch.cat([c["masks"] for c in chunks]),
-                   torch.from_numpy(idx), split)
+                   torch.from_numpy(idx), split, tilt)
+
+
+def pool_specs(split: shapes.Split, tilt: float) -> list[shapes.Spec]:
+    """The specs a pool's clips index: the split's, then (with ``tilt`` > 0) the tilts'."""
+    return shapes.split_specs(split) + (shapes.tilt_specs() if tilt else [])
 
 
 def _atomic_save(path: Path, obj) -> None:

@@ -265,7 +265,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     student = copy.deepcopy(teacher).train().requires_grad_(True)
     target = copy.deepcopy(teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
-    data = PoolData(clean, cfg.seed, latent_pool(root, vae, net.pool_clips, cfg.seed, log))  # the teacher's pool
+    data = PoolData(clean, cfg.seed, latent_pool(root, vae, net.pool_clips, cfg.seed, log, net.tilt))  # the teacher's pool
     parts = {"model": student, "target": target, "opt": opt}
     step = resume(root / STAGE / "state.pt", parts, data, log, STAGE)
     log(f"[{STAGE}] LCM distillation of the teacher ({nets.count(student) / 1e6:.2f} M params), batch {cfg.batch} "

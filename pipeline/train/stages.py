@@ -539,6 +539,11 @@ class DenoiserConfig:
       motion and pan swapped (``PoolData.latents``): the same frames under both captions, so
       that only the direction of time tells "moves up" from "moves down". The student draws
       its clips the same way (its targets are still the teacher's).
+    - ``tilt``: the share of the pool's clips with a vertical camera move (``shapes.TILTS``,
+      training-only: no prompt of the grammar asks for one), so that the whole frame moves up or
+      down in training as often as the pans move it sideways. The shipped model's "moves up" and
+      "moves down" are its weak directions, and its time reading was found to follow the
+      horizontal only (README, "Why the motion fails"). 0: the grammar's cameras only.
     """
 
     unet: nets.UNetSpec = nets.TEACHER
@@ -554,6 +559,7 @@ class DenoiserConfig:
     prior_from: int = 0
     temporal: float = 0.0
     reverse: float = 0.0
+    tilt: float = 0.0
 
     def __post_init__(self):
         if self.timesteps not in ("uniform", "logit_normal"):
@@ -567,6 +573,8 @@ class DenoiserConfig:
             raise ValueError(f"DenoiserConfig temporal={self.temporal}, prior_from={self.prior_from}: must be >= 0")
         if not 0.0 <= self.reverse <= 1.0:
             raise ValueError(f"DenoiserConfig.reverse={self.reverse}: a probability, 0 to 1")
+        if not 0.0 <= self.tilt < 1.0:
+            raise ValueError(f"DenoiserConfig.tilt={self.tilt}: a share of the pool's clips, 0 to under 1")
 
     def shared_at(self, step: int) -> float:
         """The noise prior the teacher trains with at ``step`` (1-based): ``noise_shared`` after
@@ -580,11 +588,11 @@ class DenoiserConfig:
         return torch.randint(0, num_train_timesteps, (n,))
 
 
-def latent_pool(root: Path, vae, clips: int, seed: int, log: Log) -> LatentPool:
+def latent_pool(root: Path, vae, clips: int, seed: int, log: Log, tilt: float = 0.0) -> LatentPool:
     """The training clips' latents under ``root/pool``, encoded by the frozen VAE at
     ``root/vae/model`` on first use (resumable), shared by the teacher and the student."""
     digest = file_digest(root / "vae" / "model" / "diffusion_pytorch_model.safetensors")
-    return LatentPool.build(root / "pool", vae, digest, clips, seed, log, encode_latents)
+    return LatentPool.build(root / "pool", vae, digest, clips, seed, log, encode_latents, tilt=tilt)
 
 
 def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
@@ -606,7 +614,7 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
     unet = nets.build_unet(net.unet)
     ema = copy.deepcopy(unet).eval().requires_grad_(False)
     opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=0.0)
-    pool = latent_pool(root, vae, net.pool_clips, cfg.seed, log)
+    pool = latent_pool(root, vae, net.pool_clips, cfg.seed, log, net.tilt)
     data = PoolData(clean, cfg.seed, pool)
 
     def same_size(state: dict) -> None:
