@@ -120,9 +120,9 @@ class Spec:
     def __post_init__(self) -> None:
         for name in ATTRIBUTES:
             value = getattr(self, name)
-            allowed = TRAIN_CAMERAS if name == "camera" else VOCAB[name]
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not in the grammar; allowed: {', '.join(allowed)}")
+            if value not in (TRAIN_CAMERAS if name == "camera" else VOCAB[name]):
+                extra = f" (or, in training only, {', '.join(TILTS)})" if name == "camera" else ""
+                raise ValueError(f"{name}={value!r} is not in the grammar; allowed: {', '.join(VOCAB[name])}{extra}")
 
     def as_dict(self) -> dict[str, str]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
