@@ -70,6 +70,7 @@ VOCAB_ZH: dict[str, dict[str, str]] = {
     "colour": COLOURS_ZH, "shape": SHAPES_ZH, "motion": MOTIONS_ZH, "background": BACKGROUNDS_ZH,
     "camera": CAMERAS_ZH,
 }
+TRAIN_VOCAB: dict[str, tuple[str, ...]] = {**VOCAB, "camera": TRAIN_CAMERAS}  # what a Spec may hold
 
 # Nominal RGB of each shape colour and each background's base colour (before per-seed jitter).
 COLOUR_RGB: dict[str, tuple[int, int, int]] = {
@@ -120,7 +121,7 @@ class Spec:
     def __post_init__(self) -> None:
         for name in ATTRIBUTES:
             value = getattr(self, name)
-            if value not in (TRAIN_CAMERAS if name == "camera" else VOCAB[name]):
+            if value not in TRAIN_VOCAB[name]:
                 extra = f" (or, in training only, {', '.join(TILTS)})" if name == "camera" else ""
                 raise ValueError(f"{name}={value!r} is not in the grammar; allowed: {', '.join(VOCAB[name])}{extra}")
 
@@ -286,13 +287,6 @@ _DIRECTION = {
     "moves left": (-1.0, 0.0), "moves right": (1.0, 0.0), "moves up": (0.0, -1.0), "moves down": (0.0, 1.0),
     "stays still": (0.0, 0.0),
 }
-
-
-def camera_path(camera: str, frames: int, pan: float, zoom: float) -> tuple[np.ndarray, np.ndarray]:
-    """The view centre's x offset (world px, + is right) and the magnification, per frame (a
-    tilt's offset is along y: :func:`view_path`)."""
-    dx, _, z = view_path(camera, frames, pan, zoom)
-    return dx, z
 
 
 def view_path(camera: str, frames: int, pan: float, zoom: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

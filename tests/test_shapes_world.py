@@ -43,7 +43,7 @@ def test_motion_conventions():
     side = shapes.SIZE
     for spec, clip in _clips(120, 1):
         c = clip.centres
-        _, z = shapes.camera_path(spec.camera, shapes.FRAMES, abs(clip.layout.pan), clip.layout.zoom)
+        _, _, z = shapes.view_path(spec.camera, shapes.FRAMES, abs(clip.layout.pan), clip.layout.zoom)
         half = (clip.layout.size * z / 2)[:, None]
         assert (c - half >= 0).all() and (c + half <= side).all(), spec  # stays in frame
         assert clip.alpha.sum(axis=(1, 2)).min() > 20  # the shape is visible in every frame

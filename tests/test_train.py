@@ -136,8 +136,7 @@ def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
 
 def _spec_of(labels: list[int]) -> shapes.Spec:
     """The spec whose attribute indices (``data.labels_of``) are ``labels``."""
-    return shapes.Spec(*((shapes.TRAIN_CAMERAS if a == "camera" else shapes.VOCAB[a])[i]
-                         for a, i in zip(shapes.ATTRIBUTES, labels)))
+    return shapes.Spec(*(shapes.TRAIN_VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, labels)))
 
 
 def test_the_latent_pool_is_encoded_once_resumes_and_refuses_another_vae(tmp_path, monkeypatch):

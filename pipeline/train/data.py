@@ -41,9 +41,8 @@ class Batch:
 
 def labels_of(spec: shapes.Spec) -> list[int]:
     """The spec's attribute indices, in ``shapes.ATTRIBUTES`` order (a training-only tilt's camera
-    index follows the grammar's four: ``shapes.TRAIN_CAMERAS``)."""
-    return [(shapes.TRAIN_CAMERAS if a == "camera" else shapes.VOCAB[a]).index(getattr(spec, a))
-            for a in shapes.ATTRIBUTES]
+    index follows the grammar's four: ``shapes.TRAIN_VOCAB``)."""
+    return [shapes.TRAIN_VOCAB[a].index(getattr(spec, a)) for a in shapes.ATTRIBUTES]
 
 
 class ShapesData:
@@ -148,13 +147,13 @@ class LatentPool:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "meta.json").write_text(json.dumps(meta, indent=1))
         rng = np.random.default_rng([seed, 0x9001])
-        pool = pool_specs(split, tilt)
-        idx = rng.integers(0, len(shapes.split_specs(split)), clips)
+        pool, first_tilt = pool_specs(split, tilt), len(shapes.split_specs(split))
+        idx = rng.integers(0, first_tilt, clips)
         seeds = rng.integers(0, 2**31, clips)
         if tilt:  # a stream of its own, so that the other clips are the ones a pool without tilts has
             extra = np.random.default_rng([seed, 0x7117])
             tilted = extra.random(clips) < tilt
-            idx[tilted] = len(pool) - len(shapes.tilt_specs()) + extra.integers(0, len(shapes.tilt_specs()), int(tilted.sum()))
+            idx[tilted] = extra.integers(first_tilt, len(pool), int(tilted.sum()))
         starts = range(0, clips, cls.CHUNK)
         todo = [i for i in starts if not (folder / f"chunk-{i // cls.CHUNK:04d}.pt").exists()]
         if todo:
