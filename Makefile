@@ -24,10 +24,12 @@ demo: install
 # Train the built-in shapes model from SEED and export it into pipeline/weights/shapes/.
 # Checkpoints live in $CLIPMILL_TRAIN_DIR (default ~/.cache/clipmill/train): rerun to resume.
 # THREADS=1 while anything else runs on the machine (contending threads are 10x slower).
+# It trains on CUDA when torch sees a GPU, else on the CPU; DEVICE=cpu or DEVICE=cuda:1 picks one.
 SEED    ?= 0
 THREADS ?= 1
+DEVICE  ?=
 demo-model: install
-	nice -n 10 $(VENV)/bin/clipmill train-model --seed $(SEED) --threads $(THREADS)
+	nice -n 10 $(VENV)/bin/clipmill train-model --seed $(SEED) --threads $(THREADS) $(if $(DEVICE),--device $(DEVICE))
 
 test: install
 	$(VENV)/bin/pytest -q

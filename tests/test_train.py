@@ -369,6 +369,31 @@ def test_train_model_rejects_an_unknown_stage(tmp_path):
     assert r.exit_code == 2 and "'unet' is not a stage" in r.output
 
 
+def test_a_pool_rendered_by_several_processes_is_the_pool_one_renders(tmp_path):
+    """On a GPU host the pool's clips are rendered by a process pool: the same clips, in order."""
+    def encode(vae, frames):
+        return frames[:, :, :, ::4, ::4].permute(0, 2, 1, 3, 4)
+
+    one = LatentPool.build(tmp_path / "one", None, "vae-a", 12, 5, lambda m: None, encode)
+    many = LatentPool.build(tmp_path / "many", None, "vae-a", 12, 5, lambda m: None, encode, workers=2)
+    assert torch.equal(one.latents, many.latents) and torch.equal(one.masks, many.masks)
+    assert torch.equal(one.spec_index, many.spec_index)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
+def test_train_model_on_a_device_this_machine_lacks_says_so(tmp_path):
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+
+    r = CliRunner().invoke(main, ["train-model", "--ckpt", str(tmp_path), "--device", "cuda", "--recipe", "smoke"])
+    assert r.exit_code == 3, r.output
+    assert "Error: --device cuda: this torch build has no CUDA support; allowed here: cpu" in r.output
+    r = CliRunner().invoke(main, ["train-model", "--ckpt", str(tmp_path), "--device", "tpu", "--recipe", "smoke"])
+    assert r.exit_code == 2 and "Error: --device 'tpu': not a device; allowed: cpu, cuda, cuda:N, mps" in r.output
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_shape_weight_and_latent_mask_put_the_weight_where_the_shape_is():
     from clipmill.pipeline.train.data import latent_mask
     from clipmill.pipeline.train.stages import shape_weight

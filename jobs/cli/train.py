@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from clipmill.jobs.cli.common import BadInput
+from clipmill.jobs.cli.common import BadInput, default_device, domain_errors
 
 STAGES = ("vae", "text", "teacher", "student")
 
@@ -34,6 +34,9 @@ def clean_caption(raw: str) -> str:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds every stage; a checkpoint folder keeps its seed.")
 @click.option("--threads", type=click.IntRange(1, 256), default=1, show_default=True,
               help="torch CPU threads (keep 1 while anything else runs: 2 contending threads are 10x slower).")
+@click.option("--device", default=None, metavar="cpu|cuda[:N]",
+              help="Where to train [default: cuda if available, else cpu]. A run may resume on another device than it "
+                   "started on (checkpoints load on any device).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
               help="full: the shipped model (hours on 2 CPU cores); smoke: every stage for a few steps, small nets.")
 @click.option("--stages", default=",".join(STAGES), show_default=True, help="Comma-separated stages to run, in this order.")
@@ -48,7 +51,7 @@ def clean_caption(raw: str) -> str:
 @click.option("--export-teacher", is_flag=True,
               help="Only write OUT/teacher from --ckpt's teacher (finished, or its last checkpoint's EMA, marked "
                    "unfinished so that --from-teacher resumes it) and exit.")
-def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teacher, export_teacher):
+def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, from_teacher, export_teacher):
     """Train the built-in 'shapes' model: autoencoder, text encoder, teacher, then the LCM
     student distilled for the 6-step fast and 8-step quality tiers; export it into the package.
 
@@ -58,6 +61,7 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
     \b
     Example:
       clipmill train-model --threads 1
+      clipmill train-model --device cuda --threads 8
       clipmill train-model --recipe smoke --ckpt /tmp/smoke
       clipmill train-model --ckpt /tmp/distil --from-teacher shapes --out /tmp/shapes
       clipmill train-model --export-teacher
@@ -68,10 +72,13 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
     from clipmill.pipeline.train.export import export_model
     from clipmill.pipeline.train.export import export_teacher as export_teacher_folder
     from clipmill.pipeline.train.recipe import RECIPES, run_all, seed_from_teacher
+    from clipmill.jobs.core.preflight import check_device
 
     names = tuple(s.strip() for s in stages.split(",") if s.strip())
     if bad := [s for s in names if s not in STAGES]:
         raise click.BadParameter(f"{bad[0]!r} is not a stage; allowed: {', '.join(STAGES)}", param_hint="--stages")
+    with domain_errors():  # before anything is written
+        dev = torch.device(check_device(device or default_device()))
     torch.set_num_threads(threads)
     quiet_hf()
     root = Path(ckpt).expanduser() if ckpt else default_root(recipe)
@@ -81,7 +88,7 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
     def log(msg: str) -> None:
         click.echo(f"{time.strftime('%H:%M:%S')} {msg}", err=True)
 
-    log(f"training recipe {recipe!r}, seed {seed}, {threads} thread(s), checkpoints in {root}")
+    log(f"training recipe {recipe!r}, seed {seed}, on {dev} ({threads} CPU thread(s)), checkpoints in {root}")
     try:
         if export_teacher:
             log(f"exported the teacher to {export_teacher_folder(root, dest / 'teacher')}")
@@ -93,7 +100,7 @@ def train_model(ckpt, seed, threads, recipe, stages, out, no_export, from_teache
             teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
             seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
             names = ("teacher", "student")  # a finished teacher's stage is skipped
-        run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names)
+        run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names, dev)
         if not no_export and "student" in names:
             export_model(root, dest)
             log(f"exported the model to {dest}")

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -127,12 +129,14 @@ class LatentPool:
 
     @classmethod
     def build(cls, folder: Path, vae, vae_digest: str, clips: int, seed: int, log: Callable[[str], None],
-              encode: Callable, split: shapes.Split = "train", tilt: float = 0.0) -> LatentPool:
+              encode: Callable, split: shapes.Split = "train", tilt: float = 0.0, workers: int = 1) -> LatentPool:
         """Load the pool in ``folder``, or encode it (``encode(vae, frames) -> latents``), resuming
         a partial build. The clips are drawn from ``seed`` alone, so a rebuild gives the same pool.
 
         ``tilt``: the share of clips drawn from ``shapes.tilt_specs()`` (vertical camera moves,
-        which are not in the grammar) instead of the split; 0 draws the pool it always did."""
+        which are not in the grammar) instead of the split; 0 draws the pool it always did.
+        ``workers``: processes rendering the clips (the CPU's share of the work; a clip is a pure
+        function of its spec and seed, so any number renders the same pool)."""
         folder = Path(folder)
         if not 0.0 <= tilt < 1.0:
             raise ValueError(f"LatentPool.build tilt={tilt}: a share of the clips, 0 to under 1")
@@ -160,19 +164,28 @@ class LatentPool:
             left = sum(min(cls.CHUNK, clips - i) for i in todo)
             log(f"[pool] encoding {clips} {split} clips into latents ({clips - left} done), {folder}")
             t0, encoded = time.time(), 0
+            # spawned, not forked: the parent may hold CUDA and torch's thread pools
+            procs = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None
             for k, start in enumerate(todo, 1):
                 sl = slice(start, min(start + cls.CHUNK, clips))
-                rendered = [shapes.render(pool[int(i)], int(s)) for i, s in zip(idx[sl], seeds[sl])]
+                jobs = [(pool[int(i)], int(s)) for i, s in zip(idx[sl], seeds[sl])]
+                rendered = (list(procs.map(_render, jobs, chunksize=16)) if procs else [_render(j) for j in jobs])
                 frames = _frames_tensor(rendered)
-                z = torch.cat([encode(vae, frames[j:j + 16]) for j in range(0, len(frames), 16)]).half()
+                z = torch.cat([encode(vae, frames[j:j + 16]) for j in range(0, len(frames), 16)]).half().cpu()
                 mask = latent_mask(torch.from_numpy(np.stack([c.alpha for c in rendered])), z.shape[-1])
                 _atomic_save(folder / f"chunk-{start // cls.CHUNK:04d}.pt", {"latents": z, "masks": mask})
                 encoded += len(frames)
                 rate = (time.time() - t0) / encoded
                 log(f"[pool] chunk {k}/{len(todo)}: {rate * 1000:.0f} ms/clip, eta {(left - encoded) * rate / 60:.0f}min")
-        chunks = [torch.load(folder / f"chunk-{i // cls.CHUNK:04d}.pt", weights_only=True) for i in starts]
+            if procs:
+                procs.shutdown()
+        chunks = [torch.load(folder / f"chunk-{i // cls.CHUNK:04d}.pt", weights_only=True, map_location="cpu") for i in starts]
         return cls(torch.cat([c["latents"] for c in chunks]), torch.cat([c["masks"] for c in chunks]),
                    torch.from_numpy(idx), split, tilt)
+
+
+def _render(job: tuple[shapes.Spec, int]) -> shapes.Clip:
+    return shapes.render(*job)
 
 
 def pool_specs(split: shapes.Split, tilt: float) -> list[shapes.Spec]:

@@ -41,7 +41,7 @@ from ..choices import TIERS
 from ..sampler import make_scheduler, sample
 from . import nets
 from .data import Clean, PoolData, ShapesData
-from .stages import (DenoiserConfig, Log, Probe, StageConfig, StageResult, TextCache, _done, _mark_done, _Meter,
+from .stages import (DenoiserConfig, Device, Log, Probe, StageConfig, StageResult, TextCache, _done, _mark_done, _Meter,
                      decode_latents, export_pipeline, latent_pool, resume, save_checkpoint, shape_weight)
 
 STAGE = "student"
@@ -134,6 +134,7 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
     b, frames = len(z0), z0.shape[2]
     if idx is None:
         idx = torch.randint(0, lcm.solver_steps, (b,))
+    idx = idx.to(z0.device)  # the UNets take their timesteps on the latents' device
     if noise is None:
         noise = video_noise.like(z0, noise_shared)
     t, s = grid_timesteps(idx, lcm)
@@ -200,7 +201,7 @@ def teacher_endpoints(teacher, probe: Probe, uncond: torch.Tensor, acp: torch.Te
     with torch.no_grad():  # all clips in one batch; each joins the solver at its own grid index
         for i in range(int(probe.t.max()), -1, -1):
             on = probe.t >= i
-            ti, si = grid_timesteps(torch.full((int(on.sum()),), i), lcm)
+            ti, si = grid_timesteps(torch.full((int(on.sum()),), i, device=x.device), lcm)
             x[on] = guided_ddim_step(teacher, x[on], ti, si, probe.cond[on], uncond, acp, lcm.guidance)
     return x_t, x
 
@@ -213,7 +214,7 @@ def sample_student(unet, scheduler_config, cond: torch.Tensor, steps: int, seeds
     scheduler = make_scheduler(scheduler_config, "lcm")
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     shape = (1, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE)
-    x = torch.cat([video_noise.video_noise(shape, noise_shared, g) for g in gens]) * scheduler.init_noise_sigma
+    x = torch.cat([video_noise.video_noise(shape, noise_shared, g) for g in gens]).to(cond.device) * scheduler.init_noise_sigma
     ehs = cond.repeat_interleave(frames, dim=0)
     with torch.no_grad():
         return sample(lambda xi, t: unet(xi, t, encoder_hidden_states=ehs).sample, x, scheduler, steps, gens,
@@ -235,7 +236,7 @@ def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: 
 
 
 def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCMConfig = LCMConfig(),
-                  net: DenoiserConfig = DenoiserConfig()) -> StageResult:
+                  net: DenoiserConfig = DenoiserConfig(), device: Device = "cpu") -> StageResult:
     """Distil ``root/teacher/pipeline`` into ``root/student/pipeline`` (an LCM AnimateDiff folder).
 
     Resumable like the other stages (``root/student/state.pt``). The probe loss is the
@@ -252,7 +253,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
         raise FileNotFoundError(f"[{STAGE}] {root / 'teacher' / 'done'} is missing: the student distils the finished "
                                 "teacher, so run the teacher stage first")
     torch.manual_seed(cfg.seed)
-    teacher_pipe = AnimateDiffPipeline.from_pretrained(root / "teacher" / "pipeline", dtype=torch.float32)
+    teacher_pipe = AnimateDiffPipeline.from_pretrained(root / "teacher" / "pipeline", dtype=torch.float32).to(device)
     vae = teacher_pipe.vae.eval().requires_grad_(False)
     te, tok = teacher_pipe.text_encoder.eval().requires_grad_(False), teacher_pipe.tokenizer
     teacher = teacher_pipe.unet.eval().requires_grad_(False)
@@ -260,7 +261,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
         raise ValueError(f"[{STAGE}] teacher prediction_type={teacher_pipe.scheduler.config.prediction_type!r}; "
                          "the distillation reads v-predictions ('v_prediction')")
     scheduler = lcm_scheduler(teacher_pipe.scheduler.config, lcm)
-    acp = scheduler.alphas_cumprod.float()
+    acp = scheduler.alphas_cumprod.float().to(device)
     text = TextCache(te, tok)
     student = copy.deepcopy(teacher).train().requires_grad_(True)
     target = copy.deepcopy(teacher)
@@ -290,6 +291,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     while step < cfg.steps:
         step += 1
         z0, mask, captions, _ = data.latents(cfg.batch, net.reverse)
+        z0, mask = z0.to(device), mask.to(device)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
         loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm,

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from . import nets
 from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
-from .stages import (DenoiserConfig, Log, StageConfig, StageResult, _mark_done, export_pipeline, save_checkpoint,
+from .stages import (DenoiserConfig, Device, Log, StageConfig, StageResult, _mark_done, export_pipeline, save_checkpoint,
                      train_teacher, train_text, train_vae)
 
 STAGE_ORDER = ("vae", "text", "teacher", "student")
@@ -45,13 +45,14 @@ class Recipe:
     def with_seed(self, seed: int) -> Recipe:
         return replace(self, seed=seed, **{s: replace(getattr(self, s), seed=seed) for s in STAGE_ORDER})
 
-    def stage(self, name: str) -> Callable[[Path, Clean, Log], StageResult]:
-        """The stage ``name`` bound to this recipe: ``fn(root, clean, log) -> StageResult``."""
+    def stage(self, name: str, device: Device = "cpu") -> Callable[[Path, Clean, Log], StageResult]:
+        """The stage ``name`` bound to this recipe, training on ``device``: ``fn(root, clean, log) -> StageResult``."""
         runs = {
-            "vae": lambda root, clean, log: train_vae(root, self.vae, clean, log, channels=self.vae_channels),
-            "text": lambda root, clean, log: train_text(root, self.text, clean, log),
-            "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, self.denoiser),
-            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm, self.denoiser),
+            "vae": lambda root, clean, log: train_vae(root, self.vae, clean, log, channels=self.vae_channels, device=device),
+            "text": lambda root, clean, log: train_text(root, self.text, clean, log, device=device),
+            "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, self.denoiser, device=device),
+            "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm, self.denoiser,
+                                                              device=device),
         }
         if name not in runs:
             raise ValueError(f"stage {name!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
@@ -119,8 +120,12 @@ def check_root(root: Path, recipe: Recipe) -> None:
     path.write_text(json.dumps(mine, indent=1))
 
 
-def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[str, ...] = STAGE_ORDER) -> dict[str, StageResult]:
-    """Run ``stages`` of ``recipe`` in order under ``root``; returns each stage's result."""
+def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[str, ...] = STAGE_ORDER,
+            device: Device = "cpu") -> dict[str, StageResult]:
+    """Run ``stages`` of ``recipe`` in order under ``root`` on ``device``; returns each stage's
+    result. Checkpoints load onto the CPU whatever device wrote them and exported folders hold
+    CPU tensors, so a run may resume on another device than it started on (the random streams
+    of the noise differ between devices)."""
     for s in stages:
         if s not in STAGE_ORDER:
             raise ValueError(f"stage {s!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
@@ -129,7 +134,7 @@ def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[st
     losses = {}
     for i, name in enumerate(order, 1):
         log(f"== stage {i}/{len(order)}: {name} ({root / name})")
-        losses[name] = recipe.stage(name)(root, clean, log)
+        losses[name] = recipe.stage(name, device)(root, clean, log)
     return losses
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,8 @@ from . import nets
 from .data import Clean, LatentPool, PoolData, ShapesData, file_digest, labels_of, latent_mask
 
 Log = Callable[[str], None]
+Device = torch.device | str  # where a stage trains: "cpu", "cuda", "cuda:1"
+
 
 
 @dataclass
@@ -85,7 +88,8 @@ class StageConfig:
 
 
 def _load_state(path: Path) -> dict | None:
-    return torch.load(path, weights_only=False) if path.exists() else None
+    # on the CPU whatever device it was written from, so a checkpoint resumes on any machine
+    return torch.load(path, weights_only=False, map_location="cpu") if path.exists() else None
 
 
 def _save_state(path: Path, state: dict) -> None:
@@ -188,29 +192,29 @@ def vae_reconstruct(vae, frames: torch.Tensor) -> torch.Tensor:
 
 def _to_uint8(frames: torch.Tensor) -> np.ndarray:
     """(B, T, 3, H, W) in [-1, 1] to (B, T, H, W, 3) uint8."""
-    return ((frames.permute(0, 1, 3, 4, 2) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
+    return ((frames.permute(0, 1, 3, 4, 2) + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu().numpy()
 
 
 def eval_vae(vae, clean: Clean, n: int = 24, seed: int = 999) -> dict:
     """PSNR (all pixels, shape pixels) and the analyzer's adherence on reconstructed clips."""
     data = ShapesData(clean, seed, "all")
     b = data.batch(n)
-    x = b.frames.flatten(0, 1)
+    x = b.frames.flatten(0, 1).to(vae.device)
     y = torch.cat([vae_reconstruct(vae, x[i:i + 64]) for i in range(0, len(x), 64)])
-    w = b.alpha.flatten(0, 1)[:, None]
+    w = b.alpha.flatten(0, 1)[:, None].to(vae.device)
     clips = _to_uint8(y.view_as(b.frames))
     adh = adherence.adherence([adherence.analyze(c) for c in clips], b.specs)
     return {"psnr": _psnr(y, x), "psnr_shape": _psnr(y, x, w), **{k: round(v, 3) for k, v in adh.items()}}
 
 
 def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 32, shape_gain: float = 20.0,
-              kl: float = 1e-6, channels: tuple[int, int, int] = nets.VAE_CHANNELS) -> StageResult:
+              kl: float = 1e-6, channels: tuple[int, int, int] = nets.VAE_CHANNELS, device: Device = "cpu") -> StageResult:
     stage = "vae"
     if _done(root, stage):
         log(f"[{stage}] done already: {root / stage / 'model'}")
         return StageResult()
     torch.manual_seed(cfg.seed)
-    vae = nets.build_vae(channels)
+    vae = nets.build_vae(channels).to(device)
     opt = torch.optim.AdamW(vae.parameters(), lr=cfg.lr, weight_decay=0.0)
     data = ShapesData(clean, cfg.seed, "all")
     parts = {"model": vae, "opt": opt}
@@ -223,6 +227,7 @@ def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 
         step += 1
         b = data.batch(max(1, cfg.batch // shapes.FRAMES))
         x, a = _crops(b.frames.flatten(0, 1), b.alpha.flatten(0, 1), data.rng, crop)
+        x, a = x.to(device), a.to(device)
         lr = cfg.lr * min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -246,7 +251,7 @@ def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 
     vae.eval()
     with torch.no_grad():  # latents' spread, for the scaling factor
         b = ShapesData(clean, cfg.seed + 1, "all").batch(16)
-        z = vae.encode(b.frames.flatten(0, 1)).latent_dist.mode()
+        z = vae.encode(b.frames.flatten(0, 1).to(device)).latent_dist.mode()
     scale = float(1.0 / z.std())
     vae.register_to_config(scaling_factor=scale)
     vae.save_pretrained(root / stage / "model")
@@ -276,14 +281,14 @@ class AttributeHeads(torch.nn.Module):
         """Mean cross-entropy over the positions from the first end token on, and per-attribute
         accuracy of the first end token's reading."""
         first = (ids == eos).int().argmax(dim=1)
-        pos = torch.arange(ids.shape[1])[None, :]
+        pos = torch.arange(ids.shape[1], device=ids.device)[None, :]
         mask = (pos >= first[:, None]).float()
         losses, accs = [], []
         for i, head in enumerate(self.heads):
             logits = head(hidden)  # (B, L, V)
             ce = F.cross_entropy(logits.transpose(1, 2), labels[:, i:i + 1].expand(-1, ids.shape[1]), reduction="none")
             losses.append((ce * mask).sum() / mask.sum())
-            pred = logits[torch.arange(len(ids)), first].argmax(-1)
+            pred = logits[torch.arange(len(ids), device=ids.device), first].argmax(-1)
             accs.append((pred == labels[:, i]).float().mean())
         return torch.stack(losses).mean(), torch.stack(accs)
 
@@ -293,25 +298,25 @@ def eval_text(text_encoder, tokenizer, heads: AttributeHeads, clean: Clean) -> d
     data = ShapesData(clean, 0, "all")
     specs = shapes.all_specs()
     caps = [data.cleaned(shapes.caption(s, lang)) for lang in ("en", "zh") for s in specs]
-    labels = torch.tensor([labels_of(s) for _ in ("en", "zh") for s in specs])
+    labels = torch.tensor([labels_of(s) for _ in ("en", "zh") for s in specs]).to(text_encoder.device)
     accs = []
     with torch.no_grad():
         for i in range(0, len(caps), 200):
-            ids = tokenize(tokenizer, caps[i:i + 200])
+            ids = tokenize(tokenizer, caps[i:i + 200]).to(text_encoder.device)
             _, acc = heads.loss_and_acc(text_encoder(ids)[0], ids, labels[i:i + 200], tokenizer.eos_token_id)
             accs.append(acc * len(ids))
     acc = torch.stack(accs).sum(0) / len(caps)
     return dict(zip(shapes.ATTRIBUTES, [round(float(a), 4) for a in acc]))
 
 
-def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log) -> StageResult:
+def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log, device: Device = "cpu") -> StageResult:
     stage = "text"
     if _done(root, stage):
         log(f"[{stage}] done already: {root / stage / 'model'}")
         return StageResult()
     torch.manual_seed(cfg.seed)
-    te, tok = nets.build_text_encoder(), nets.build_tokenizer()
-    heads = AttributeHeads(nets.TEXT_WIDTH)
+    te, tok = nets.build_text_encoder().to(device), nets.build_tokenizer()
+    heads = AttributeHeads(nets.TEXT_WIDTH).to(device)
     params = list(te.parameters()) + list(heads.parameters())
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
     # every caption of the grammar is a valid training input for the classifier (the held-out
@@ -326,10 +331,10 @@ def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log) -> StageRes
     while step < cfg.steps:
         step += 1
         b = data.batch(cfg.batch, render=False)
-        ids = tokenize(tok, b.captions)
+        ids = tokenize(tok, b.captions).to(device)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 50)
-        loss, acc = heads.loss_and_acc(te(ids)[0], ids, b.labels, tok.eos_token_id)
+        loss, acc = heads.loss_and_acc(te(ids)[0], ids, b.labels.to(device), tok.eos_token_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -362,23 +367,24 @@ class TextCache:
         new = [c for c in dict.fromkeys(captions) if c not in self.cache]
         if new:
             with torch.no_grad():
-                hidden = self.te(tokenize(self.tok, new))[0]
+                hidden = self.te(tokenize(self.tok, new).to(self.te.device))[0]
             self.cache.update(zip(new, hidden))
         return torch.stack([self.cache[c] for c in captions])
 
 
 def encode_latents(vae, frames: torch.Tensor) -> torch.Tensor:
-    """(B, T, 3, H, W) in [-1, 1] to scaled latents (B, C, T, h, w), the UNetMotionModel layout."""
+    """(B, T, 3, H, W) in [-1, 1] to scaled latents (B, C, T, h, w), the UNetMotionModel layout,
+    on the VAE's device."""
     b, t = frames.shape[:2]
     with torch.no_grad():
-        z = vae.encode(frames.flatten(0, 1)).latent_dist.mode() * vae.config.scaling_factor
+        z = vae.encode(frames.flatten(0, 1).to(vae.device)).latent_dist.mode() * vae.config.scaling_factor
     return z.view(b, t, *z.shape[1:]).permute(0, 2, 1, 3, 4).contiguous()
 
 
 def decode_latents(vae, z: torch.Tensor) -> np.ndarray:
     """Scaled latents (B, C, T, h, w) to (B, T, H, W, 3) uint8."""
     b, _, t = z.shape[:3]
-    flat = z.permute(0, 2, 1, 3, 4).flatten(0, 1) / vae.config.scaling_factor
+    flat = z.to(vae.device).permute(0, 2, 1, 3, 4).flatten(0, 1) / vae.config.scaling_factor
     with torch.no_grad():
         x = torch.cat([vae.decode(flat[i:i + 64]).sample for i in range(0, len(flat), 64)])
     return _to_uint8(x.clamp(-1, 1).view(b, t, *x.shape[1:]))
@@ -387,12 +393,13 @@ def decode_latents(vae, z: torch.Tensor) -> np.ndarray:
 def sample(unet, scheduler, cond: torch.Tensor, uncond: torch.Tensor, steps: int, guidance: float,
            generator: torch.Generator, frames: int = shapes.FRAMES, noise_shared: float = 0.0) -> torch.Tensor:
     """DDIM (the schedule's own spacing) with classifier-free guidance, from noise with the
-    model's prior (``noise_shared``, ``pipeline.noise``); returns scaled latents."""
+    model's prior (``noise_shared``, ``pipeline.noise``; drawn on the CPU from ``generator``, so a
+    seed gives the same noise on any device); returns scaled latents on ``cond``'s device."""
     b = len(cond)
     sched = copy.deepcopy(scheduler)
     sched.set_timesteps(steps)
     x = video_noise.video_noise((b, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE), noise_shared,
-                                generator)
+                                generator).to(cond.device)
     x = x * sched.init_noise_sigma
     ehs = torch.cat([cond, uncond.expand(b, -1, -1)]).repeat_interleave(frames, dim=0)
     with torch.no_grad():
@@ -437,8 +444,8 @@ class Probe:
         z0 = encode_latents(vae, b.frames)
         g = torch.Generator().manual_seed(seed)
         t = ((torch.arange(n) + 0.5) * t_max / n).long()
-        return cls(z0, latent_mask(b.alpha, z0.shape[-1]).float(), text(b.captions), t,
-                   video_noise.video_noise(tuple(z0.shape), noise_shared, g))
+        return cls(z0, latent_mask(b.alpha, z0.shape[-1]).float().to(z0.device), text(b.captions), t.to(z0.device),
+                   video_noise.video_noise(tuple(z0.shape), noise_shared, g).to(z0.device))
 
 
 def shape_weight(mask: torch.Tensor, gain: float) -> torch.Tensor:
@@ -476,7 +483,7 @@ def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, no
     """The teacher's loss: v-prediction MSE weighted per timestep (:func:`timestep_weight`) and per
     cell (``cells``, :func:`shape_weight`) when given, plus ``temporal`` times the same MSE of the
     error's frame-to-frame differences (:func:`temporal_error`), unweighted by cell."""
-    acp = scheduler.alphas_cumprod
+    acp, t = scheduler.alphas_cumprod.to(z0.device), t.to(z0.device)  # the UNet takes t on the latents' device
     zt = scheduler.add_noise(z0, noise, t)
     target = scheduler.get_velocity(z0, noise, t)
     snr = acp[t] / (1 - acp[t])
@@ -503,9 +510,11 @@ def temporal_error(err: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def export_pipeline(dest: Path, unet, vae, text_encoder, tokenizer, scheduler) -> None:
-    """Save an AnimateDiffPipeline folder (diffusers format) with these parts."""
+    """Save an AnimateDiffPipeline folder (diffusers format) with these parts (copied to the CPU
+    first when they train elsewhere: the folder loads on any machine)."""
     from diffusers import AnimateDiffPipeline
 
+    unet, vae, text_encoder = (m if m.device.type == "cpu" else copy.deepcopy(m).cpu() for m in (unet, vae, text_encoder))
     pipe = AnimateDiffPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                motion_adapter=None, scheduler=scheduler)
     pipe.save_pretrained(dest)
@@ -590,13 +599,16 @@ class DenoiserConfig:
 
 def latent_pool(root: Path, vae, clips: int, seed: int, log: Log, tilt: float = 0.0) -> LatentPool:
     """The training clips' latents under ``root/pool``, encoded by the frozen VAE at
-    ``root/vae/model`` on first use (resumable), shared by the teacher and the student."""
+    ``root/vae/model`` on first use (resumable), shared by the teacher and the student. With
+    the VAE on a GPU the clips are rendered by all but one of the CPU's cores (rendering is then
+    most of the pool's time); on the CPU by this process alone (its cores train)."""
     digest = file_digest(root / "vae" / "model" / "diffusion_pytorch_model.safetensors")
-    return LatentPool.build(root / "pool", vae, digest, clips, seed, log, encode_latents, tilt=tilt)
+    workers = 1 if vae.device.type == "cpu" else max(1, (os.cpu_count() or 1) - 1)
+    return LatentPool.build(root / "pool", vae, digest, clips, seed, log, encode_latents, tilt=tilt, workers=workers)
 
 
 def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
-                  net: DenoiserConfig = DenoiserConfig()) -> StageResult:
+                  net: DenoiserConfig = DenoiserConfig(), device: Device = "cpu") -> StageResult:
     from diffusers import AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer
 
@@ -605,13 +617,13 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
         log(f"[{stage}] done already: {root / stage / 'pipeline'}")
         return StageResult()
     torch.manual_seed(cfg.seed)
-    vae = AutoencoderKL.from_pretrained(root / "vae" / "model").eval().requires_grad_(False)
-    te = CLIPTextModel.from_pretrained(root / "text" / "model").eval().requires_grad_(False)
+    vae = AutoencoderKL.from_pretrained(root / "vae" / "model").to(device).eval().requires_grad_(False)
+    te = CLIPTextModel.from_pretrained(root / "text" / "model").to(device).eval().requires_grad_(False)
     # a text stage saved with 256 positions gives the same first 77 states (the encoder is causal)
     tok = CLIPTokenizer.from_pretrained(root / "text" / "model", model_max_length=nets.MAX_TOKENS)
     text = TextCache(te, tok)
     scheduler = nets.build_scheduler()
-    unet = nets.build_unet(net.unet)
+    unet = nets.build_unet(net.unet).to(device)
     ema = copy.deepcopy(unet).eval().requires_grad_(False)
     opt = torch.optim.AdamW(unet.parameters(), lr=cfg.lr, weight_decay=0.0)
     pool = latent_pool(root, vae, net.pool_clips, cfg.seed, log, net.tilt)
@@ -645,6 +657,7 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
     while step < cfg.steps:
         step += 1
         z0, mask, captions, _ = data.latents(cfg.batch, net.reverse)
+        z0, mask = z0.to(device), mask.to(device)
         caps = [("" if data.rng.random() < net.cfg_drop else c) for c in captions]
         cond = text(caps)
         noise = video_noise.like(z0, net.shared_at(step))
