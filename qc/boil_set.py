@@ -37,9 +37,11 @@ from clipmill.pipeline.synthetic import camera_move, photo
 from clipmill.pipeline.video import decode, encode_h264
 
 # Thresholds were chosen looking at these: 0-59 first; 5000-5059 was the first held-out range,
-# measured once (README), then looked at and used for tuning too, so it is no longer held out.
-TUNE_SEEDS = (*range(0, 60), *range(5000, 5060))
-HELDOUT_SEEDS = range(9000, 9060)  # never looked at while tuning: measured only
+# measured once (README), then looked at and used for tuning too, so it is no longer held out;
+# 9000-9059 the same, later (measured four times while choosing).
+TUNE_SEEDS = (*range(0, 60), *range(5000, 5060), *range(9000, 9060))
+# measured only: the shipped test once, and one rejected variant once (README, Boiling)
+HELDOUT_SEEDS = range(13000, 13080)
 TEST_SEEDS = range(7000, 7020)  # tests/test_boiling.py: unseen too
 
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "camera", "coins", "cat", "brick", "gravel", "moon",
