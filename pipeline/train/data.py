@@ -12,6 +12,7 @@ their loss up on the shape, a few percent of the frame that carries its colour, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -165,20 +166,20 @@ class LatentPool:
             log(f"[pool] encoding {clips} {split} clips into latents ({clips - left} done), {folder}")
             t0, encoded = time.time(), 0
             # spawned, not forked: the parent may hold CUDA and torch's thread pools
-            procs = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1 else None
-            for k, start in enumerate(todo, 1):
-                sl = slice(start, min(start + cls.CHUNK, clips))
-                jobs = [(pool[int(i)], int(s)) for i, s in zip(idx[sl], seeds[sl])]
-                rendered = (list(procs.map(_render, jobs, chunksize=16)) if procs else [_render(j) for j in jobs])
-                frames = _frames_tensor(rendered)
-                z = torch.cat([encode(vae, frames[j:j + 16]) for j in range(0, len(frames), 16)]).half().cpu()
-                mask = latent_mask(torch.from_numpy(np.stack([c.alpha for c in rendered])), z.shape[-1])
-                _atomic_save(folder / f"chunk-{start // cls.CHUNK:04d}.pt", {"latents": z, "masks": mask})
-                encoded += len(frames)
-                rate = (time.time() - t0) / encoded
-                log(f"[pool] chunk {k}/{len(todo)}: {rate * 1000:.0f} ms/clip, eta {(left - encoded) * rate / 60:.0f}min")
-            if procs:
-                procs.shutdown()
+            procs = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) if workers > 1
+                     else contextlib.nullcontext())
+            with procs:
+                for k, start in enumerate(todo, 1):
+                    sl = slice(start, min(start + cls.CHUNK, clips))
+                    jobs = [(pool[int(i)], int(s)) for i, s in zip(idx[sl], seeds[sl])]
+                    rendered = list(procs.map(_render, jobs, chunksize=16)) if workers > 1 else [_render(j) for j in jobs]
+                    frames = _frames_tensor(rendered)
+                    z = torch.cat([encode(vae, frames[j:j + 16]) for j in range(0, len(frames), 16)]).half().cpu()
+                    mask = latent_mask(torch.from_numpy(np.stack([c.alpha for c in rendered])), z.shape[-1])
+                    _atomic_save(folder / f"chunk-{start // cls.CHUNK:04d}.pt", {"latents": z, "masks": mask})
+                    encoded += len(frames)
+                    rate = (time.time() - t0) / encoded
+                    log(f"[pool] chunk {k}/{len(todo)}: {rate * 1000:.0f} ms/clip, eta {(left - encoded) * rate / 60:.0f}min")
         chunks = [torch.load(folder / f"chunk-{i // cls.CHUNK:04d}.pt", weights_only=True, map_location="cpu") for i in starts]
         return cls(torch.cat([c["latents"] for c in chunks]), torch.cat([c["masks"] for c in chunks]),
                    torch.from_numpy(idx), split, tilt)

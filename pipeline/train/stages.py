@@ -51,7 +51,6 @@ Log = Callable[[str], None]
 Device = torch.device | str  # where a stage trains: "cpu", "cuda", "cuda:1"
 
 
-
 @dataclass
 class StageResult:
     """What a stage run did: each step's training loss, and ``probe`` {step: probe loss}."""
