@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .choices import check_noise_shared
+from .frame_markers import check_markers
 
 TINY = "tiny"
 TINY_WAN = "tiny-wan"
@@ -89,6 +90,9 @@ class ModelInfo:
     # clipmill.json "noise_shared": the share of the noise's variance common to all frames that
     # the model was trained with (pipeline.noise, PYoCo's mixed prior); 0 for independent noise
     noise_shared: float = 0.0
+    # clipmill.json "frame_markers": the token ids of the model's frame markers (pipeline.frame_markers:
+    # one prompt per frame, its last token the frame's place in the clip); () for a model without
+    frame_markers: tuple[int, ...] = ()
 
     @property
     def is_tiny(self) -> bool:
@@ -416,6 +420,7 @@ def _teacher_and_world(path: Path, extra: dict) -> dict:
     out: dict = {"world": extra.get("world"), "teacher_guidance": float(extra.get("teacher_guidance", 7.5))}
     try:
         out["noise_shared"] = check_noise_shared(extra.get("noise_shared", 0.0))
+        out["frame_markers"] = check_markers(extra.get("frame_markers"))
     except ValueError as e:
         raise ModelError(f"{path / 'clipmill.json'}: {e}") from None
     if extra.get("teacher"):

@@ -21,28 +21,30 @@ class PromptEmbeddingCache:
         if maxsize < 1:
             raise ValueError(f"PromptEmbeddingCache: maxsize={maxsize}; it must be at least 1")
         self.maxsize = maxsize
-        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._rows: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def __len__(self) -> int:
         return len(self._rows)
 
-    def get(self, prompts: Sequence[str], encode: Callable[[list[str]], torch.Tensor]) -> torch.Tensor:
-        """Embeddings of ``prompts``, shape (len(prompts), tokens, dim). ``encode(list)`` runs the
-        text encoder on the distinct prompts not cached, in one call."""
-        missing = list(dict.fromkeys(p for p in prompts if p not in self._rows))
+    def get(self, prompts: Sequence[str], encode: Callable[[list[str]], torch.Tensor], variant: str = "") -> torch.Tensor:
+        """Embeddings of ``prompts``, shape (len(prompts), ...) as ``encode`` gives them (tokens,
+        dim; or frames, tokens, dim). ``encode(list)`` runs the text encoder on the distinct
+        prompts not cached, in one call. ``variant`` names how they are encoded (a model with
+        frame markers encodes a prompt once per frame count): a prompt's rows are kept per variant."""
+        missing = list(dict.fromkeys(p for p in prompts if (variant, p) not in self._rows))
         if missing:
             rows = encode(missing)
             for p, row in zip(missing, rows):
-                self._rows[p] = row.unsqueeze(0).clone()  # its own storage, so eviction frees it
-                self._rows.move_to_end(p)
+                self._rows[(variant, p)] = row.unsqueeze(0).clone()  # its own storage, so eviction frees it
+                self._rows.move_to_end((variant, p))
         self.misses += len(missing)
         self.hits += len(prompts) - len(missing)
         out = []
         for p in prompts:
-            self._rows.move_to_end(p)
-            out.append(self._rows[p])
+            self._rows.move_to_end((variant, p))
+            out.append(self._rows[(variant, p)])
         while len(self._rows) > self.maxsize:
             self._rows.popitem(last=False)
         return torch.cat(out)

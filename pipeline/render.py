@@ -33,7 +33,7 @@ from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
 from clipmill.pipeline.choices import COMPILERS, DECODERS, TIERS
 from clipmill.pipeline.compile import RESOLUTION_TIERS, compile_denoiser
 from clipmill.pipeline.sampler import make_scheduler, sample
-from clipmill.pipeline import long_shot
+from clipmill.pipeline import frame_markers, long_shot
 from clipmill.pipeline.noise import video_noise
 from clipmill.pipeline.textkv import TextKVCache
 
@@ -235,9 +235,10 @@ class Renderer:
                         "saturated frames); it is made for 1.0-2.0", settings.guidance, OVEREXPOSE_LIMIT)
         t0 = time.perf_counter()
 
-        # 1. text embeddings (n, tokens, dim), from the LRU where the prompt was seen before
-        cond = self.encode([r.prompt for r in requests])
-        neg = self.encode([r.negative_prompt for r in requests]) if mode != "none" else None
+        # 1. text embeddings (n, tokens, dim), or one row per frame (n * frames, tokens, dim) for
+        #    a model with frame markers, from the LRU where the prompt was seen before
+        cond = self.encode([r.prompt for r in requests], first.frames)
+        neg = self.encode([r.negative_prompt for r in requests], first.frames) if mode != "none" else None
         t1 = time.perf_counter()
 
         # 2. initial noise, each clip from its own generator
@@ -257,7 +258,7 @@ class Renderer:
         self._reset_caches(settings.tier)
         windows = long_shot.apply(self.pipe.unet, free) if free is not None else None
         try:
-            predict = self._predictor(cond, neg, first)
+            predict = self._predictor(cond, neg, first, n)
             alpha_bar = alpha_bar_fn(scheduler) if mode.startswith("rcfg") else None
             guided = GuidedDenoiser(predict, mode, settings.guidance, n, alpha_bar)
             latents = sample(guided, latents, scheduler, settings.steps, generators, callback,
@@ -292,16 +293,32 @@ class Renderer:
         return long_shot.FreeNoiseConfig.for_model(self.info.default_frames)
 
     # -- per family ----------------------------------------------------------------------------
-    def encode(self, prompts: list[str]) -> torch.Tensor:
-        """Prompt embeddings (len(prompts), tokens, dim)."""
+    def encode(self, prompts: list[str], frames: int | None = None) -> torch.Tensor:
+        """Prompt embeddings (len(prompts), tokens, dim). For a model with frame markers and a
+        frame count, one row per frame instead (len(prompts) * frames, tokens, dim; clip-major),
+        each frame's prompt marked with its place in the clip (``pipeline.frame_markers``);
+        without ``frames`` (a stream, whose frames have no fixed place) the plain prompt."""
+        markers = self.info.frame_markers if frames else ()
 
         def run(texts: list[str]) -> torch.Tensor:
             if self.info.family == "wan":
                 return self.pipe.encode_prompt(texts, do_classifier_free_guidance=False, device=self.device,
                                                max_sequence_length=self.info.max_prompt_tokens)[0]
+            if markers:
+                return self._encode_marked(texts, frames, markers)
             return self.pipe.encode_prompt(texts, self.device, 1, False)[0]
 
-        return self.prompts.get(prompts, run) if self.prompts is not None else run(prompts)
+        variant = f"frames={frames}" if markers else ""
+        out = self.prompts.get(prompts, run, variant) if self.prompts is not None else run(prompts)
+        return out.flatten(0, 1) if markers else out
+
+    def _encode_marked(self, texts: list[str], frames: int, markers: tuple[int, ...]) -> torch.Tensor:
+        """(len(texts), frames, tokens, dim): each prompt's states with its frames' markers."""
+        tok = self.pipe.tokenizer
+        ids = tok(texts, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                  return_tensors="pt").input_ids
+        states = self.pipe.text_encoder(frame_markers.mark(ids, frames, markers).to(self.device))[0]
+        return states.to(self.pipe.text_encoder.dtype).view(len(texts), frames, *states.shape[1:])
 
     def latent_shape(self, req: ClipRequest) -> tuple[int, ...]:
         """Latent shape of one clip."""
@@ -313,8 +330,9 @@ class Renderer:
         s = self.pipe.vae_scale_factor
         return (1, self.pipe.unet.config.in_channels, req.frames, req.height // s, req.width // s)
 
-    def _predictor(self, cond: torch.Tensor, neg: torch.Tensor | None, req: ClipRequest):
-        """``predict(x, t, which)`` over the denoiser, with contexts bound to the text K/V cache."""
+    def _predictor(self, cond: torch.Tensor, neg: torch.Tensor | None, req: ClipRequest, n: int):
+        """``predict(x, t, which)`` over the denoiser for ``n`` clips like ``req``, with contexts
+        bound to the text K/V cache."""
         frames = req.frames
         # compiled graphs are built per resolution tier; other sizes run the plain model
         model = self.compiled if self.compiled is not None and (req.width, req.height) in RESOLUTION_TIERS else self.denoiser
@@ -335,13 +353,14 @@ class Renderer:
 
             return predict
 
-        # AnimateDiff: one embedding row per frame
-        cond_rows = cond.repeat_interleave(frames, dim=0)
-        both_rows = torch.cat([neg.repeat_interleave(frames, dim=0), cond_rows]) if neg is not None else None
+        # AnimateDiff: one embedding row per frame (a model with frame markers has them already)
+        cond_rows = frame_markers.per_frame(cond, n, frames)
+        repeats = 1 if cond_rows is cond else frames
+        both_rows = torch.cat([frame_markers.per_frame(neg, n, frames), cond_rows]) if neg is not None else None
         if kv is not None:
-            kv.bind(cond_rows, [("cond", cond, frames)])
+            kv.bind(cond_rows, [("cond", cond, repeats)])
             if both_rows is not None:
-                kv.bind(both_rows, [("uncond", neg, frames), ("cond", cond, frames)])
+                kv.bind(both_rows, [("uncond", neg, repeats), ("cond", cond, repeats)])
 
         def predict(x, t, which):
             if which == "cond":

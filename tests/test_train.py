@@ -518,3 +518,54 @@ def test_temporal_match_holds_the_background_changes_to_the_clips_and_fades_with
     assert distill.temporal_match(boiling, panned, 0.25 * a, background).item() == pytest.approx(loud / 4)
     with pytest.raises(ValueError, match="LCMConfig.temporal=-1"):
         distill.LCMConfig(temporal=-1)
+
+
+@pytest.mark.slow
+def test_a_teacher_fine_tuned_with_frame_markers_carries_them_to_the_student_and_the_renderer(trained, tmp_path):
+    """The shipped teacher's last phase: from ``markers_from`` on it trains with one prompt per
+    frame (``pipeline.frame_markers``), learning the markers' embeddings and nothing else of the
+    text encoder; the student distils with them, both folders declare them, and the renderer
+    encodes each frame's prompt with them (and a stream, the plain prompt)."""
+    from transformers import CLIPTextModel
+
+    from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
+    from clipmill.pipeline.train.export import export_model
+    from clipmill.pipeline.train.recipe import seed_from_teacher
+    from clipmill.pipeline.train.stages import tokenize
+
+    root, _, _ = trained
+    first = export_model(root, tmp_path / "first")
+    marked = replace(TINY, teacher=replace(TINY.teacher, steps=TINY.teacher.steps + 4),
+                     denoiser=replace(TINY.denoiser, markers=8, markers_from=TINY.teacher.steps))
+    again, lines = tmp_path / "marked", []
+    seed_from_teacher(first / "teacher", again, marked, lines.append)
+    run_all(again, marked, clean_caption, lines.append, ("teacher", "student"))
+    assert any("has no 'markers': it starts fresh" in line for line in lines)
+    assert json.loads((again / "teacher" / "done").read_text())["frame_markers"] == list(range(1, 9))
+    dest = export_model(again, tmp_path / "shipped")
+    for folder in (dest, dest / "teacher"):
+        assert json.loads((folder / "clipmill.json").read_text())["frame_markers"] == list(range(1, 9))
+        assert models.model_info(str(folder)).frame_markers == tuple(range(1, 9))
+    # only the markers' rows of the text encoder were trained
+    before = CLIPTextModel.from_pretrained(first / "text_encoder").get_input_embeddings().weight
+    after = CLIPTextModel.from_pretrained(dest / "text_encoder").get_input_embeddings().weight
+    changed = (before != after).any(dim=1).nonzero().flatten().tolist()
+    assert changed == list(range(1, 9))
+
+    info = models.model_info(str(dest))
+    renderer = Renderer(info)
+    prompt = clean_caption(shapes.caption(shapes.split_specs("train")[0]))
+    rows = renderer.encode([prompt, prompt], 8)
+    assert rows.shape[0] == 16 and torch.equal(rows[:8], rows[8:])
+    with torch.no_grad():
+        ids = tokenize(renderer.pipe.tokenizer, [prompt]).repeat(8, 1)
+        ids[:, -1] = torch.arange(1, 9)
+        assert torch.allclose(rows[:8], renderer.pipe.text_encoder(ids)[0], atol=1e-6)
+    assert renderer.encode([prompt]).shape[0] == 1  # a stream's frames have no place: the plain prompt
+    req = ClipRequest(key="a", prompt=prompt, seed=5, frames=8, width=64, height=64)
+    (res,) = renderer.render([req], GroupSettings(tier="fast", sampler=info.scheduler))
+    assert res.frames.shape == (8, 64, 64, 3) and res.frames.std() > 0
+    # the text K/V cache stays exact with per-frame prompts
+    plain = Renderer(info, options=replace(renderer.options, text_kv=False))
+    (ref,) = plain.render([req], GroupSettings(tier="fast", sampler=info.scheduler))
+    assert np.array_equal(ref.frames, res.frames)

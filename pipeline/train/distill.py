@@ -36,13 +36,13 @@ import torch
 
 from ...qc import adherence
 from .. import noise as video_noise
-from .. import shapes
+from .. import frame_markers, shapes
 from ..choices import TIERS
 from ..sampler import make_scheduler, sample
 from . import nets
 from .data import Clean, PoolData, ShapesData
 from .stages import (DenoiserConfig, Device, Log, Probe, StageConfig, StageResult, TextCache, _done, _mark_done, _Meter,
-                     decode_latents, export_pipeline, latent_pool, resume, save_checkpoint, shape_weight)
+                     decode_latents, export_pipeline, latent_pool, resume, save_checkpoint, shape_weight, uncond_rows)
 
 STAGE = "student"
 TIER_STEPS = tuple(tier.steps for tier in TIERS.values())  # fast, quality
@@ -124,7 +124,8 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
     """One LCM distillation loss on clean latents ``z0`` (B, C, T, h, w).
 
     ``cond`` (B, tokens, dim) and ``uncond`` (1, tokens, dim) are text states (not yet repeated
-    per frame). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
+    per frame), or per frame for a model with frame markers (``TextCache.frames``; ``uncond`` as
+    ``stages.uncond_rows`` takes it). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
     unless given (the probe gives fixed ones). ``cells`` (B, 1, T, h, w) weights the loss per
     latent cell (``stages.shape_weight``), as in the teacher's loss. ``noise_shared`` is the
     teacher's noise prior (``pipeline.noise``), which the student inherits. With
@@ -140,7 +141,7 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
     t, s = grid_timesteps(idx, lcm)
     a_t, a_s = _bcast(acp[t]), _bcast(acp[s])
     x_t = a_t.sqrt() * z0 + (1 - a_t).sqrt() * noise
-    ehs_c = cond.repeat_interleave(frames, dim=0)
+    ehs_c = frame_markers.per_frame(cond, b, frames)
     cs_s, co_s = boundary_scalings(s, lcm.timestep_scaling)
 
     pred = consistency_output(student, x_t, t, ehs_c, acp, lcm)
@@ -181,7 +182,7 @@ def guided_ddim_step(teacher, x_t: torch.Tensor, t: torch.Tensor, s: torch.Tenso
     """One DDIM (eta 0) step of the teacher with classifier-free guidance, from ``t`` to ``s``."""
     b, frames = len(x_t), x_t.shape[2]
     a_t, a_s = _bcast(acp[t]), _bcast(acp[s])
-    ehs = torch.cat([cond, uncond.expand(b, -1, -1)]).repeat_interleave(frames, dim=0)
+    ehs = torch.cat([frame_markers.per_frame(cond, b, frames), uncond_rows(uncond, b, frames)])
     v_c, v_u = teacher(torch.cat([x_t, x_t]), torch.cat([t, t]), encoder_hidden_states=ehs).sample.chunk(2)
     x0_c, eps_c = _x0_eps(v_c, x_t, a_t)
     x0_u, eps_u = _x0_eps(v_u, x_t, a_t)
@@ -215,7 +216,7 @@ def sample_student(unet, scheduler_config, cond: torch.Tensor, steps: int, seeds
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     shape = (1, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE)
     x = torch.cat([video_noise.video_noise(shape, noise_shared, g) for g in gens]).to(cond.device) * scheduler.init_noise_sigma
-    ehs = cond.repeat_interleave(frames, dim=0)
+    ehs = frame_markers.per_frame(cond, len(seeds), frames)
     with torch.no_grad():
         return sample(lambda xi, t: unet(xi, t, encoder_hidden_states=ehs).sample, x, scheduler, steps, gens,
                       noise_shared=noise_shared)
@@ -228,7 +229,7 @@ def eval_student(unet, vae, text: TextCache, scheduler_config, clean: Clean, n: 
     for split in ("train", "heldout"):
         b = ShapesData(clean, seed, split).batch(n, render=False)  # type: ignore[arg-type]
         for steps in TIER_STEPS:
-            z = sample_student(unet, scheduler_config, text(b.captions), steps, [seed + i for i in range(n)],
+            z = sample_student(unet, scheduler_config, text.frames(b.captions, shapes.FRAMES), steps, [seed + i for i in range(n)],
                                noise_shared=noise_shared)
             adh = adherence.adherence([adherence.analyze(c) for c in decode_latents(vae, z)], b.specs)
             out[f"{split}@{steps}"] = {k: round(v, 3) for k, v in adh.items()}
@@ -262,7 +263,9 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
                          "the distillation reads v-predictions ('v_prediction')")
     scheduler = lcm_scheduler(teacher_pipe.scheduler.config, lcm)
     acp = scheduler.alphas_cumprod.float().to(device)
-    text = TextCache(te, tok)
+    # the teacher's frame markers (their embeddings are in its text encoder), which the student keeps
+    markers = tuple(json.loads((root / "teacher" / "done").read_text()).get("frame_markers") or ())
+    text = TextCache(te, tok, markers)
     student = copy.deepcopy(teacher).train().requires_grad_(True)
     target = copy.deepcopy(teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -294,7 +297,12 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
         z0, mask = z0.to(device), mask.to(device)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, step / 100)
-        loss = consistency_loss(student, teacher, target, z0, text(captions), uncond, acp, lcm,
+        if markers:  # per-frame prompts, markers_drop of the clips plain, as the teacher learnt them
+            on = [bool(data.rng.random() >= net.markers_drop) for _ in captions]
+            cond, unc = text.frames(captions, z0.shape[2], on), text.frames([""] * len(captions), z0.shape[2], on)
+        else:
+            cond, unc = text(captions), uncond
+        loss = consistency_loss(student, teacher, target, z0, cond, unc, acp, lcm,
                                 cells=shape_weight(mask, net.shape_gain), noise_shared=net.noise_shared,
                                 background=(mask[:, None] <= 0).to(z0.dtype))
         opt.zero_grad(set_to_none=True)
@@ -316,6 +324,6 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
             log(f"[{STAGE}] eval step {step} (target net, LCM {'/'.join(map(str, TIER_STEPS))} steps, guidance 1; "
                 f"{time.time() - t0:.0f}s): {json.dumps(res)}")
     export_pipeline(root / STAGE / "pipeline", target, vae, te, tok, scheduler)
-    _mark_done(root, STAGE, {"step": step, "lcm": asdict(lcm)})
+    _mark_done(root, STAGE, {"step": step, "lcm": asdict(lcm), **({"frame_markers": list(markers)} if markers else {})})
     log(f"[{STAGE}] saved {root / STAGE / 'pipeline'}")
     return result

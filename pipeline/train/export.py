@@ -24,7 +24,7 @@ from ..choices import TIERS
 from ..models import SHAPES, SHAPES_VERSION
 from . import nets
 from .distill import LCMConfig
-from .stages import _load_state, export_pipeline
+from .stages import MarkerEmbeddings, _load_state, export_pipeline
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
 MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
@@ -77,6 +77,8 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             "teacher_guidance": guidance,
             "noise_shared": prior,  # the noise prior it was trained with and must be sampled with (pipeline.noise)
             "tiers": {name: tier.steps for name, tier in TIERS.items()},
+            # the token ids of its frame markers (pipeline.frame_markers), as its teacher learnt them
+            **({"frame_markers": list(ids)} if (ids := (stages["teacher"] or {}).get("frame_markers")) else {}),
             "distillation": "LCM consistency distillation on a 50-step DDIM grid; one student for both tiers",
             "training": {"recipe": recipe_d or None, "stages": stages},
         }
@@ -85,6 +87,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
                                              "max_frames", "world")}
         teacher_meta.update(model=f"{SHAPES}/{TEACHER}", guidance_distilled=False, guidance=guidance,
                             noise_shared=float((stages["teacher"] or {}).get("noise_shared", 0.0)),
+                            **{k: meta[k] for k in ("frame_markers",) if k in meta},
                             training={"recipe": recipe_d or None,
                                       "stages": {k: stages[k] for k in ("vae", "text", "teacher")}})
         (tmp / TEACHER / "clipmill.json").write_text(json.dumps(teacher_meta, indent=1, ensure_ascii=False))
@@ -127,6 +130,7 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
             teacher.save_pretrained(tmp, safe_serialization=True)
         else:
             state = _load_state(ckpt_dir / "teacher" / "state.pt")
+            marker_ids: list[int] = []
             if state is None:
                 raise FileNotFoundError(f"{ckpt_dir / 'teacher' / 'state.pt'} is missing: the teacher has no checkpoint yet")
             spec = nets.UNetSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["unet"].items()})
@@ -134,6 +138,12 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
             unet.load_state_dict(state["ema"])
             vae = AutoencoderKL.from_pretrained(ckpt_dir / "vae" / "model")
             te = CLIPTextModel.from_pretrained(ckpt_dir / "text" / "model")
+            markers_from = int((recipe_d.get("denoiser") or {}).get("markers_from", 0))
+            if state.get("markers_ema") is not None and state["step"] > markers_from:  # its frame markers, learnt
+                weight = state["markers_ema"]["weight"]
+                marker_ids = list(range(MarkerEmbeddings.FIRST_ID, MarkerEmbeddings.FIRST_ID + len(weight)))
+                with torch.no_grad():
+                    te.get_input_embeddings().weight[marker_ids] = weight.to(te.dtype)
             tok = CLIPTokenizer.from_pretrained(ckpt_dir / "text" / "model", model_max_length=nets.MAX_TOKENS)
             export_pipeline(tmp, unet.to(torch.float16), vae, te, tok, nets.build_scheduler())
             # the trained (not averaged) weights too, so that a resume does not fall back to the
@@ -143,12 +153,13 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
             den = recipe_d.get("denoiser") or {}
             prior = float(den.get("noise_shared", 0.0)) if state["step"] > int(den.get("prior_from", 0)) else 0.0
             info = {"step": state["step"], "unet": state["unet"], "params": nets.count(unet), "finished": False,
-                    "noise_shared": prior}
+                    "noise_shared": prior, **({"frame_markers": marker_ids} if marker_ids else {})}
         meta = {"model": f"{SHAPES}/{TEACHER}", "shapes_version": SHAPES_VERSION, "native_fps": shapes.FPS,
                 "default_size": [shapes.SIZE, shapes.SIZE], "default_frames": shapes.FRAMES, "max_frames": MAX_FRAMES,
                 "world": "shapes", "guidance_distilled": False,
                 "guidance": (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance),
                 "noise_shared": float(info.get("noise_shared", 0.0)),
+                **({"frame_markers": info["frame_markers"]} if info.get("frame_markers") else {}),
                 "training": {"recipe": recipe_d or None, "stages": {**stages, "teacher": info}}}
         (tmp / "clipmill.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
         AnimateDiffPipeline.from_pretrained(tmp, dtype=torch.float32)  # it loads as the renderer loads it

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from ...qc import adherence
 from .. import noise as video_noise
-from .. import shapes
+from .. import frame_markers, shapes
 from . import nets
 from .data import Clean, LatentPool, PoolData, ShapesData, file_digest, labels_of, latent_mask
 
@@ -105,15 +105,21 @@ def save_checkpoint(path: Path, parts: dict, data, step: int, **extra) -> None:
                        "torch_rng": torch.get_rng_state(), **extra})
 
 
-def resume(path: Path, parts: dict, data, log: Log, stage: str, check: Callable[[dict], None] | None = None) -> int:
+def resume(path: Path, parts: dict, data, log: Log, stage: str, check: Callable[[dict], None] | None = None,
+           optional: tuple[str, ...] = ()) -> int:
     """Load a checkpoint written by ``save_checkpoint`` into ``parts`` and ``data``; the step it
-    had reached, 0 without one. ``check(state)`` may refuse a checkpoint before anything loads."""
+    had reached, 0 without one. ``check(state)`` may refuse a checkpoint before anything loads.
+    The ``optional`` parts may be missing from it (a checkpoint from before they existed): they
+    keep their fresh state."""
     state = _load_state(path)
     if not state:
         return 0
     if check is not None:
         check(state)
     for key, part in parts.items():
+        if key in optional and key not in state:
+            log(f"[{stage}] {path} has no {key!r}: it starts fresh")
+            continue
         part.load_state_dict(state[key])
     data.rng = state["rng"]
     if "torch_rng" in state:  # checkpoints from before it was saved resume with a fresh stream
@@ -356,11 +362,14 @@ def train_text(root: Path, cfg: StageConfig, clean: Clean, log: Log, device: Dev
 
 
 class TextCache:
-    """Frozen text encoder hidden states per caption (the grammar has 1,800, plus '')."""
+    """Frozen text encoder hidden states per caption (the grammar has 1,800, plus ''); with
+    ``markers`` (the token ids of a text encoder that holds trained frame markers), also each
+    caption's per-frame states (:meth:`frames`)."""
 
-    def __init__(self, text_encoder, tokenizer):
-        self.te, self.tok = text_encoder, tokenizer
+    def __init__(self, text_encoder, tokenizer, markers: tuple[int, ...] = ()):
+        self.te, self.tok, self.markers = text_encoder, tokenizer, tuple(markers)
         self.cache: dict[str, torch.Tensor] = {}
+        self.marked: dict[tuple[str, int], torch.Tensor] = {}
 
     def __call__(self, captions: list[str]) -> torch.Tensor:
         new = [c for c in dict.fromkeys(captions) if c not in self.cache]
@@ -369,6 +378,71 @@ class TextCache:
                 hidden = self.te(tokenize(self.tok, new).to(self.te.device))[0]
             self.cache.update(zip(new, hidden))
         return torch.stack([self.cache[c] for c in captions])
+
+    def frames(self, captions: list[str], frames: int, on: list[bool] | None = None) -> torch.Tensor:
+        """Per-frame states (len(captions) * frames, tokens, dim), clip-major: each caption's
+        frames marked with their place in the clip (a caption whose ``on`` is False, and every
+        caption when there are no markers, repeated plain)."""
+        on = [bool(self.markers)] * len(captions) if on is None else [bool(x) and bool(self.markers) for x in on]
+        new = [c for c in dict.fromkeys(c for c, m in zip(captions, on) if m) if (c, frames) not in self.marked]
+        if new:
+            ids = frame_markers.mark(tokenize(self.tok, new), frames, self.markers)
+            with torch.no_grad():
+                hidden = self.te(ids.to(self.te.device))[0]
+            self.marked.update(((c, frames), h) for c, h in zip(new, hidden.view(len(new), frames, *hidden.shape[1:])))
+        plain = self(captions)
+        return torch.cat([self.marked[(c, frames)] if m else p.expand(frames, -1, -1)
+                          for c, m, p in zip(captions, on, plain)])
+
+
+class MarkerEmbeddings(torch.nn.Module):
+    """The trained embeddings of a model's frame-marker tokens (``pipeline.frame_markers``): the
+    teacher learns them with its UNet while the rest of the text encoder stays frozen.
+    :meth:`states` encodes per-frame prompts with them; :meth:`write_into` puts them into a text
+    encoder's token table, which then encodes the same states by itself (as the renderer runs it)."""
+
+    FIRST_ID = 1  # the byte tokens U+0001...: control characters, which prompt cleaning removes
+
+    def __init__(self, count: int, width: int, scale: float):
+        super().__init__()
+        if not 2 <= count <= frame_markers.MAX_MARKERS:
+            raise ValueError(f"MarkerEmbeddings count={count}: allowed 2 to {frame_markers.MAX_MARKERS}")
+        self.ids = tuple(range(self.FIRST_ID, self.FIRST_ID + count))
+        self.weight = torch.nn.Parameter(torch.randn(count, width) * scale / math.sqrt(width))
+
+    @classmethod
+    def for_encoder(cls, text_encoder, count: int) -> MarkerEmbeddings:
+        """Markers of the encoder's width, drawn (from torch's generator) at the typical norm of
+        its trained token embeddings."""
+        table = text_encoder.get_input_embeddings().weight
+        return cls(count, table.shape[1], float(table[257:].detach().norm(dim=1).mean())).to(table.device)
+
+    def states(self, text_encoder, tokenizer, captions: list[str], frames: int, on: list[bool]) -> torch.Tensor:
+        """Per-frame states (len(captions) * frames, tokens, dim) with these marker embeddings
+        (gradients reach them); a caption whose ``on`` is False is repeated plain."""
+        rows = frame_markers.mark(tokenize(tokenizer, captions), frames, self.ids, on).to(self.weight.device)
+        last = rows[:, -1]
+        ids = torch.tensor(self.ids, device=rows.device)
+        hit = (last[:, None] == ids).any(1)
+        which = (last[hit, None] == ids).int().argmax(1)
+
+        def swap(_module, _inp, out):
+            out = out.clone()
+            out[hit, -1] = self.weight[which].to(out.dtype)
+            return out
+
+        handle = text_encoder.get_input_embeddings().register_forward_hook(swap)
+        try:
+            return text_encoder(rows)[0]
+        finally:
+            handle.remove()
+
+    @torch.no_grad()
+    def write_into(self, text_encoder):
+        """A copy of ``text_encoder`` whose token table holds these markers."""
+        out = copy.deepcopy(text_encoder)
+        out.get_input_embeddings().weight[list(self.ids)] = self.weight.detach().to(out.dtype)
+        return out
 
 
 def encode_latents(vae, frames: torch.Tensor) -> torch.Tensor:
@@ -389,18 +463,31 @@ def decode_latents(vae, z: torch.Tensor) -> np.ndarray:
     return _to_uint8(x.clamp(-1, 1).view(b, t, *x.shape[1:]))
 
 
+def uncond_rows(uncond: torch.Tensor, clips: int, frames: int) -> torch.Tensor:
+    """The empty caption's states for ``clips`` clips, one row per frame: ``uncond`` is one row
+    (1, tokens, dim), one clip's per-frame rows (frames, tokens, dim) of a model with frame
+    markers, or every clip's (clips * frames, tokens, dim)."""
+    if len(uncond) == clips * frames:
+        return uncond
+    if len(uncond) == frames:
+        return uncond.repeat(clips, 1, 1)
+    return uncond.expand(clips * frames, -1, -1)
+
+
 def sample(unet, scheduler, cond: torch.Tensor, uncond: torch.Tensor, steps: int, guidance: float,
            generator: torch.Generator, frames: int = shapes.FRAMES, noise_shared: float = 0.0) -> torch.Tensor:
     """DDIM (the schedule's own spacing) with classifier-free guidance, from noise with the
     model's prior (``noise_shared``, ``pipeline.noise``; drawn on the CPU from ``generator``, so a
-    seed gives the same noise on any device); returns scaled latents on ``cond``'s device."""
+    seed gives the same noise on any device); returns scaled latents on ``cond``'s device.
+    ``cond`` is one row per clip or per frame (``TextCache.frames``), ``uncond`` as
+    :func:`uncond_rows` takes it."""
     b = len(cond)
     sched = copy.deepcopy(scheduler)
     sched.set_timesteps(steps)
     x = video_noise.video_noise((b, nets.LATENT_CHANNELS, frames, nets.LATENT_SIDE, nets.LATENT_SIDE), noise_shared,
                                 generator).to(cond.device)
     x = x * sched.init_noise_sigma
-    ehs = torch.cat([cond, uncond.expand(b, -1, -1)]).repeat_interleave(frames, dim=0)
+    ehs = torch.cat([frame_markers.per_frame(cond, b, frames), uncond_rows(uncond, b, frames)])
     with torch.no_grad():
         for t in sched.timesteps:
             inp = sched.scale_model_input(torch.cat([x, x]), t)
@@ -418,7 +505,8 @@ def eval_teacher(unet, vae, text: TextCache, scheduler, clean: Clean, n: int = 1
         data = ShapesData(clean, seed, split)  # type: ignore[arg-type]
         b = data.batch(n, render=False)
         g = torch.Generator().manual_seed(seed)
-        z = sample(unet, scheduler, text(b.captions), text([""]), steps, guidance, g, noise_shared=noise_shared)
+        z = sample(unet, scheduler, text.frames(b.captions, shapes.FRAMES), text.frames([""], shapes.FRAMES), steps,
+                   guidance, g, noise_shared=noise_shared)
         clips = decode_latents(vae, z)
         adh = adherence.adherence([adherence.analyze(c) for c in clips], b.specs)
         out[split] = {k: round(v, 3) for k, v in adh.items()}
@@ -480,7 +568,8 @@ def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, no
                  min_snr: float, cells: torch.Tensor | None = None, weighting: str = "min_snr",
                  temporal: float = 0.0) -> torch.Tensor:
     """The teacher's loss: v-prediction MSE weighted per timestep (:func:`timestep_weight`) and per
-    cell (``cells``, :func:`shape_weight`) when given, plus ``temporal`` times the same MSE of the
+    cell (``cells``, :func:`shape_weight`) when given (``cond``: text states, one row per clip or
+    per frame), plus ``temporal`` times the same MSE of the
     error's frame-to-frame differences (:func:`temporal_error`), unweighted by cell."""
     acp, t = scheduler.alphas_cumprod.to(z0.device), t.to(z0.device)  # the UNet takes t on the latents' device
     zt = scheduler.add_noise(z0, noise, t)
@@ -489,7 +578,7 @@ def teacher_loss(unet, z0: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, no
     weight = timestep_weight(snr, min_snr, weighting).view(-1, 1, 1, 1, 1)
     if cells is not None:
         weight = weight * cells
-    pred = unet(zt, t, encoder_hidden_states=cond.repeat_interleave(z0.shape[2], dim=0)).sample
+    pred = unet(zt, t, encoder_hidden_states=frame_markers.per_frame(cond, len(z0), z0.shape[2])).sample
     err = pred - target
     loss = (weight * err**2).mean()
     if temporal:
@@ -517,6 +606,9 @@ def export_pipeline(dest: Path, unet, vae, text_encoder, tokenizer, scheduler) -
     pipe = AnimateDiffPipeline(vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet,
                                motion_adapter=None, scheduler=scheduler)
     pipe.save_pretrained(dest)
+
+
+MARKER_WARMUP = 100  # steps of learning-rate warm-up when the teacher starts training with frame markers
 
 
 @dataclass(frozen=True)
@@ -552,6 +644,14 @@ class DenoiserConfig:
       down in training as often as the pans move it sideways. The shipped model's "moves up" and
       "moves down" are its weak directions, and its time reading was found to follow the
       horizontal only (README, "Why the motion fails"). 0: the grammar's cameras only.
+    - ``markers``: the number of frame markers (``pipeline.frame_markers``: one prompt per frame,
+      its last token the frame's place in the clip) the teacher trains from ``markers_from`` on,
+      their embeddings (:class:`MarkerEmbeddings`) learnt with the UNet while the rest of the text
+      encoder stays frozen; ``markers_drop`` of the clips keep the plain prompt (so the model
+      still renders without them: the streaming preview). From ``markers_from`` on the UNet
+      trains at ``markers_lr`` and the markers at ``marker_embedding_lr``, both warmed up over
+      ``MARKER_WARMUP`` steps, and the EMA starts its warm-up again, as a fine-tune of the
+      teacher of that step. 0: no markers (the text is the same in every frame).
     """
 
     unet: nets.UNetSpec = nets.TEACHER
@@ -568,6 +668,11 @@ class DenoiserConfig:
     temporal: float = 0.0
     reverse: float = 0.0
     tilt: float = 0.0
+    markers: int = 0
+    markers_from: int = 0
+    markers_drop: float = 0.1
+    markers_lr: float = 3e-4
+    marker_embedding_lr: float = 3e-3
 
     def __post_init__(self):
         if self.timesteps not in ("uniform", "logit_normal"):
@@ -583,6 +688,20 @@ class DenoiserConfig:
             raise ValueError(f"DenoiserConfig.reverse={self.reverse}: a probability, 0 to 1")
         if not 0.0 <= self.tilt < 1.0:
             raise ValueError(f"DenoiserConfig.tilt={self.tilt}: a share of the pool's clips, 0 to under 1")
+        if self.markers and not 2 <= self.markers <= frame_markers.MAX_MARKERS or self.markers < 0:
+            raise ValueError(f"DenoiserConfig.markers={self.markers}: 0 (none) or 2 to {frame_markers.MAX_MARKERS}")
+        if not 0.0 <= self.markers_drop < 1.0 or self.markers_from < 0:
+            raise ValueError(f"DenoiserConfig markers_drop={self.markers_drop}, markers_from={self.markers_from}: "
+                             "the drop is a share of the clips, 0 to under 1; the step is >= 0")
+
+    def marked_at(self, step: int) -> bool:
+        """Whether the teacher trains with frame markers at ``step`` (1-based)."""
+        return bool(self.markers) and step > self.markers_from
+
+    def ema_decay_at(self, step: int) -> float:
+        """The EMA's decay at ``step``: warmed up from the start, and again from ``markers_from``."""
+        k = step - self.markers_from if self.marked_at(step) else step
+        return min(self.ema_decay, (1 + k) / (10 + k))
 
     def shared_at(self, step: int) -> float:
         """The noise prior the teacher trains with at ``step`` (1-based): ``noise_shared`` after
@@ -635,7 +754,14 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
                              f"move {root / stage} aside to train this one")
 
     parts = {"model": unet, "ema": ema, "opt": opt}
-    step = resume(root / stage / "state.pt", parts, data, log, stage, check=same_size)
+    markers = markers_ema = marker_opt = None
+    if net.markers:  # learnt from markers_from on; a checkpoint from before them starts them fresh
+        markers = MarkerEmbeddings.for_encoder(te, net.markers)
+        markers_ema = copy.deepcopy(markers).requires_grad_(False)
+        marker_opt = torch.optim.AdamW(markers.parameters(), lr=net.marker_embedding_lr, weight_decay=0.0)
+        parts.update(markers=markers, markers_ema=markers_ema, marker_opt=marker_opt)
+    step = resume(root / stage / "state.pt", parts, data, log, stage, check=same_size,
+                  optional=("markers", "markers_ema", "marker_opt"))
     log(f"[{stage}] UNetMotionModel {nets.count(unet) / 1e6:.2f} M params, batch {cfg.batch} clips from a pool of "
         f"{len(pool)}, latents {nets.LATENT_CHANNELS}x{shapes.FRAMES}x{nets.LATENT_SIDE}x{nets.LATENT_SIDE}, "
         f"{net.timesteps} timesteps weighted {net.weighting} {net.min_snr:g}, lr {cfg.lr}, shape cells weighted "
@@ -658,21 +784,39 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
         z0, mask, captions, _ = data.latents(cfg.batch, net.reverse)
         z0, mask = z0.to(device), mask.to(device)
         caps = [("" if data.rng.random() < net.cfg_drop else c) for c in captions]
-        cond = text(caps)
+        marked = net.marked_at(step)
+        if marked:  # one prompt per frame; markers_drop of the clips keep the plain one
+            on = [bool(data.rng.random() >= net.markers_drop) for _ in caps]
+            cond = markers.states(te, tok, caps, z0.shape[2], on)
+        else:
+            cond = text(caps)
         noise = video_noise.like(z0, net.shared_at(step))
         t = net.sample_timesteps(len(z0), scheduler.config.num_train_timesteps)
-        for g in opt.param_groups:
-            g["lr"] = cfg.lr * min(1.0, step / net.warmup)
+        if marked:
+            ramp = min(1.0, (step - net.markers_from) / MARKER_WARMUP)
+            for g in opt.param_groups:
+                g["lr"] = net.markers_lr * ramp
+            for g in marker_opt.param_groups:
+                g["lr"] = net.marker_embedding_lr * ramp
+        else:
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * min(1.0, step / net.warmup)
         loss = teacher_loss(unet, z0, cond, t, noise, scheduler, net.min_snr, shape_weight(mask, net.shape_gain),
                             net.weighting, net.temporal)
         opt.zero_grad(set_to_none=True)
+        if marked:
+            marker_opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(list(unet.parameters()) + ([markers.weight] if marked else []), 1.0)
         opt.step()
+        if marked:
+            marker_opt.step()
         with torch.no_grad():
-            d = min(net.ema_decay, (1 + step) / (10 + step))
+            d = net.ema_decay_at(step)
             for pe, p in zip(ema.parameters(), unet.parameters()):
                 pe.lerp_(p, 1 - d)
+            if marked:
+                markers_ema.weight.lerp_(markers.weight, 1 - d)
         losses.append(loss.item())
         meter.add(step, loss=loss.item())
         if step % cfg.log_every == 0 or step == cfg.steps:
@@ -681,12 +825,16 @@ def train_teacher(root: Path, cfg: StageConfig, clean: Clean, log: Log,
             save_checkpoint(root / stage / "state.pt", parts, data, step, unet=net.unet.as_dict())
         if cfg.eval_due(step):
             t0 = time.time()
-            res = eval_teacher(ema, vae, text, scheduler, clean, noise_shared=net.shared_at(step))
+            te_now = markers_ema.write_into(te) if marked else te
+            res = eval_teacher(ema, vae, TextCache(te_now, tok, markers_ema.ids) if marked else text, scheduler, clean,
+                               noise_shared=net.shared_at(step))
             log(f"[{stage}] eval step {step} (EMA, DDIM 25, cfg 3; {time.time() - t0:.0f}s): {json.dumps(res)}")
-            export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
-    export_pipeline(root / stage / "pipeline", ema, vae, te, tok, scheduler)
+            export_pipeline(root / stage / "pipeline", ema, vae, te_now, tok, scheduler)
+    marked = net.marked_at(step)
+    export_pipeline(root / stage / "pipeline", ema, vae, markers_ema.write_into(te) if marked else te, tok, scheduler)
     _mark_done(root, stage, {"step": step, "unet": net.unet.as_dict(), "params": nets.count(ema),
-                             "noise_shared": net.shared_at(step)})
+                             "noise_shared": net.shared_at(step),
+                             **({"frame_markers": list(markers_ema.ids)} if marked else {})})
     log(f"[{stage}] saved {root / stage / 'pipeline'}")
     return result
 
