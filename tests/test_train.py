@@ -552,6 +552,25 @@ def test_a_teacher_fine_tuned_with_frame_markers_carries_them_to_the_student_and
     changed = (before != after).any(dim=1).nonzero().flatten().tolist()
     assert changed == list(range(1, 9))
 
+    # exported unfinished (from its checkpoint) the teacher keeps its markers, and a resume of it
+    # trains on from them instead of starting them fresh
+    from clipmill.pipeline.train.export import export_teacher
+
+    (again / "teacher" / "done").rename(again / "teacher" / "done.kept")
+    try:
+        unfinished = export_teacher(again, tmp_path / "unfinished")
+    finally:
+        (again / "teacher" / "done.kept").rename(again / "teacher" / "done")
+    assert json.loads((unfinished / "clipmill.json").read_text())["frame_markers"] == list(range(1, 9))
+    kept = CLIPTextModel.from_pretrained(unfinished / "text_encoder").get_input_embeddings().weight
+    assert torch.equal(kept, after)
+    longer = replace(marked, teacher=replace(marked.teacher, steps=marked.teacher.steps + 1))
+    resumed, more = tmp_path / "resumed", []
+    seed_from_teacher(unfinished, resumed, longer, more.append)
+    run_all(resumed, longer, clean_caption, more.append, ("teacher",))
+    fresh = [line for line in more if "it starts fresh" in line]
+    assert len(fresh) == 1 and "has no 'marker_opt'" in fresh[0]  # a fresh optimizer, as the UNet's
+
     info = models.model_info(str(dest))
     renderer = Renderer(info)
     prompt = clean_caption(shapes.caption(shapes.split_specs("train")[0]))

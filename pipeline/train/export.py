@@ -87,7 +87,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
                                              "max_frames", "world")}
         teacher_meta.update(model=f"{SHAPES}/{TEACHER}", guidance_distilled=False, guidance=guidance,
                             noise_shared=float((stages["teacher"] or {}).get("noise_shared", 0.0)),
-                            **{k: meta[k] for k in ("frame_markers",) if k in meta},
+                            **({"frame_markers": meta["frame_markers"]} if "frame_markers" in meta else {}),
                             training={"recipe": recipe_d or None,
                                       "stages": {k: stages[k] for k in ("vae", "text", "teacher")}})
         (tmp / TEACHER / "clipmill.json").write_text(json.dumps(teacher_meta, indent=1, ensure_ascii=False))
@@ -140,10 +140,8 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
             te = CLIPTextModel.from_pretrained(ckpt_dir / "text" / "model")
             markers_from = int((recipe_d.get("denoiser") or {}).get("markers_from", 0))
             if state.get("markers_ema") is not None and state["step"] > markers_from:  # its frame markers, learnt
-                weight = state["markers_ema"]["weight"]
-                marker_ids = list(range(MarkerEmbeddings.FIRST_ID, MarkerEmbeddings.FIRST_ID + len(weight)))
-                with torch.no_grad():
-                    te.get_input_embeddings().weight[marker_ids] = weight.to(te.dtype)
+                markers = MarkerEmbeddings.from_state(state["markers_ema"])
+                te, marker_ids = markers.write_into(te), list(markers.ids)
             tok = CLIPTokenizer.from_pretrained(ckpt_dir / "text" / "model", model_max_length=nets.MAX_TOKENS)
             export_pipeline(tmp, unet.to(torch.float16), vae, te, tok, nets.build_scheduler())
             # the trained (not averaged) weights too, so that a resume does not fall back to the

@@ -227,9 +227,7 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
     parts = {"model": model, "ema": ema, "opt": opt}
     if ids := teacher.get("frame_markers"):  # learnt already: they resume from its text encoder's rows
-        markers = MarkerEmbeddings(len(ids), nets.TEXT_WIDTH, 1.0)
-        with torch.no_grad():
-            markers.weight.copy_(pipe.text_encoder.get_input_embeddings().weight[list(ids)])
+        markers = MarkerEmbeddings.read_from(pipe.text_encoder, ids)
         parts.update(markers=markers, markers_ema=copy.deepcopy(markers))
     save_checkpoint(root / "teacher" / "state.pt", parts, data, int(teacher["step"]),
                     unet=recipe.denoiser.unet.as_dict(), **origin)

@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -390,9 +390,10 @@ class TextCache:
             with torch.no_grad():
                 hidden = self.te(ids.to(self.te.device))[0]
             self.marked.update(((c, frames), h) for c, h in zip(new, hidden.view(len(new), frames, *hidden.shape[1:])))
-        plain = self(captions)
-        return torch.cat([self.marked[(c, frames)] if m else p.expand(frames, -1, -1)
-                          for c, m, p in zip(captions, on, plain)])
+        unmarked = [c for c, m in zip(captions, on) if not m]
+        plain = dict(zip(unmarked, self(unmarked))) if unmarked else {}
+        return torch.cat([self.marked[(c, frames)] if m else plain[c].expand(frames, -1, -1)
+                          for c, m in zip(captions, on)])
 
 
 class MarkerEmbeddings(torch.nn.Module):
@@ -436,6 +437,23 @@ class MarkerEmbeddings(torch.nn.Module):
             return text_encoder(rows)[0]
         finally:
             handle.remove()
+
+    @classmethod
+    def read_from(cls, text_encoder, ids: Sequence[int]) -> MarkerEmbeddings:
+        """The markers a text encoder's token table holds at ``ids`` (what :meth:`write_into`
+        wrote), to train on from there."""
+        table = text_encoder.get_input_embeddings().weight
+        out = cls(len(ids), table.shape[1], 1.0)
+        with torch.no_grad():
+            out.weight.copy_(table[list(ids)])
+        return out
+
+    @classmethod
+    def from_state(cls, state: dict) -> MarkerEmbeddings:
+        """Markers from a checkpoint's ``state_dict``."""
+        out = cls(*state["weight"].shape, 1.0)
+        out.load_state_dict(state)
+        return out
 
     @torch.no_grad()
     def write_into(self, text_encoder):
