@@ -54,3 +54,28 @@ def test_an_object_luma_does_not_show_is_not_boiling():
     res = check_frames(interpolate(clip.frames, shapes.FPS, 30), 30, QCConfig())
     assert res.verdict == "pass", res.reasons
     assert res.metrics["boiling"] < QCConfig().boiling_excess
+
+
+def test_the_other_frames_colour_edges_are_warped_onto_the_first():
+    """Under a camera move the allowance for the second frame's colour edges lies where its
+    content lies in the residual, not where it sat in its own frame. A pan of 16 px, and an edge
+    map of the second frame over the content of a patch that boils in the first: the patch is
+    excused, and the place those edges held in the second frame's own coordinates is left as
+    it was (before the sixteenth session the allowance landed there instead)."""
+    from clipmill.pipeline.flow import FlowEstimator
+    from clipmill.qc.metrics import boiling_map
+
+    rng = np.random.default_rng(5)
+    scene = photo("coffee")[:144, :272].astype(np.float32)
+    gray = scene @ np.array([0.299, 0.587, 0.114], np.float32)
+    a, b = gray[:, 16:272].copy(), gray[:, 0:256].copy()  # b(x + 16) = a(x): the view moved left
+    a[40:80, 100:140] += 6.0 * bandpass_noise((40, 40), 1.5, rng)  # texture that is not in b
+    edges_b = np.zeros_like(a)
+    edges_b[40:80, 116:156] = 400.0  # b's edges over that patch's content, in b's coordinates
+    flow = FlowEstimator("fast")
+    none = boiling_map(a, b, flow, (np.zeros_like(a), np.zeros_like(a)))
+    warped = boiling_map(a, b, flow, (np.zeros_like(a), edges_b))
+    patch, own_place = (slice(50, 70), slice(102, 112)), (slice(50, 70), slice(148, 156))
+    assert np.nanmean(none[patch]) > QCConfig().boiling_excess
+    assert np.nanmean(warped[patch]) < np.nanmean(none[patch]) - 10
+    assert np.allclose(warped[own_place], none[own_place], equal_nan=True)
