@@ -192,7 +192,7 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
             # colour edges of both frames of a pair: an object the luma flow misses leaves its
             # residual where it is in either (frame i's alone: ground-truth shapes clips at 30 fps
             # 2/60 rejected instead of 0/60; held-out boil set 45 caught instead of 42). The other
-            # frame's are warped with the flow (until the sixteenth session they were not, so under
+            # frame's are warped with the flow (until the fifteenth session they were not, so under
             # a camera move they excused the wrong places: README, Boiling)
             edges = None if rgb is None else {k: colour_edges(rgb[k]) for k in (i, i + step, i - step) if 0 <= k < n}
             pair = (lambda k: None) if edges is None else (lambda k: (edges[i], edges[k]))

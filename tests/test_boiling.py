@@ -61,7 +61,7 @@ def test_the_other_frames_colour_edges_are_warped_onto_the_first():
     content lies in the residual, not where it sat in its own frame. A pan of 16 px, and an edge
     map of the second frame over the content of a patch that boils in the first: the patch is
     excused, and the place those edges held in the second frame's own coordinates is left as
-    it was (before the sixteenth session the allowance landed there instead)."""
+    it was (before the fifteenth session the allowance landed there instead)."""
     from clipmill.pipeline.flow import FlowEstimator
     from clipmill.qc.metrics import boiling_map
 
