@@ -134,6 +134,22 @@ def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
     assert t.tolist() == [19, 39, 999] and s.tolist() == [0, 19, 979]
 
 
+def test_grid_indices_are_uniform_or_tilted_towards_the_high_noise():
+    """LCMConfig.grid_tilt: 0 draws the grid points uniformly (as LCM); 1 draws index i in
+    proportion to i + 1, so the top point (t = 999) about 50 times as often as the lowest."""
+    g = torch.Generator().manual_seed(0)
+    flat = distill.grid_indices(20000, distill.LCMConfig(), g)
+    tilted = distill.grid_indices(20000, distill.LCMConfig(grid_tilt=1.0), g)
+    for idx in (flat, tilted):
+        assert idx.dtype == torch.int64 and 0 <= int(idx.min()) and int(idx.max()) <= 49
+    assert abs(flat.double().mean().item() - 24.5) < 0.5
+    assert abs(tilted.double().mean().item() - 33.0) < 0.5  # sum i (i + 1) / sum (i + 1) = 33
+    top, low = (tilted == 49).sum().item(), (tilted <= 4).sum().item()  # 50 against 1 + ... + 5 = 15
+    assert 2.5 < top / low < 4.3
+    with pytest.raises(ValueError, match="LCMConfig.grid_tilt=5"):
+        distill.LCMConfig(grid_tilt=5)
+
+
 def _spec_of(labels: list[int]) -> shapes.Spec:
     """The spec whose attribute indices (``data.labels_of``) are ``labels``."""
     return shapes.Spec(*(shapes.TRAIN_VOCAB[a][i] for a, i in zip(shapes.ATTRIBUTES, labels)))

@@ -59,6 +59,10 @@ class LCMConfig:
     - ``timestep_scaling``: LCMScheduler's, in the boundary scalings ``c_skip`` and ``c_out``.
     - ``temporal``: the weight of a term that holds the student's frame-to-frame changes of the
       background to the clean clip's (:func:`temporal_match`); 0 turns it off.
+    - ``grid_tilt``: how much more often the high-noise grid points are trained
+      (:func:`grid_indices`: index i drawn with probability proportional to ``(i + 1) ** grid_tilt``);
+      0 draws them uniformly, as LCM does. The clip's layout and its motion are drawn at the
+      highest grid points, whose consistency targets are reached last.
     """
 
     solver_steps: int = 50
@@ -67,6 +71,7 @@ class LCMConfig:
     huber_c: float = 0.001
     timestep_scaling: float = 10.0
     temporal: float = 0.0
+    grid_tilt: float = 0.0
 
     def __post_init__(self):
         if not 8 <= self.solver_steps <= 1000 or 1000 % self.solver_steps:
@@ -80,6 +85,9 @@ class LCMConfig:
             raise ValueError(f"LCMConfig.huber_c={self.huber_c}: must be >= 0")
         if self.temporal < 0:
             raise ValueError(f"LCMConfig.temporal={self.temporal}: must be >= 0")
+        if not 0.0 <= self.grid_tilt <= 4.0:
+            raise ValueError(f"LCMConfig.grid_tilt={self.grid_tilt}: allowed 0 to 4 (the exponent of the grid "
+                             "index's sampling weight; 4 already trains the top point about 10^6 times the lowest)")
 
 
 def lcm_scheduler(teacher_config, lcm: LCMConfig):
@@ -109,6 +117,16 @@ def _x0_eps(v: torch.Tensor, x: torch.Tensor, a: torch.Tensor) -> tuple[torch.Te
     return sa * x - sb * v, sa * v + sb * x
 
 
+def grid_indices(b: int, lcm: LCMConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``b`` grid indices (0 .. solver_steps-1) to train on: uniform, or tilted towards the high
+    noise by ``lcm.grid_tilt`` (index i with probability proportional to ``(i + 1) ** grid_tilt``);
+    torch's global generator unless ``generator`` is given."""
+    if not lcm.grid_tilt:
+        return torch.randint(0, lcm.solver_steps, (b,), generator=generator)
+    w = torch.arange(1, lcm.solver_steps + 1, dtype=torch.float64) ** lcm.grid_tilt
+    return torch.multinomial(w, b, replacement=True, generator=generator)
+
+
 def grid_timesteps(idx: torch.Tensor, lcm: LCMConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Grid index (0 .. solver_steps-1) to the timestep ``t`` on the grid (k-1, 2k-1, ..., 999) and
     the solver's next one ``s = t - k`` (0 below the first)."""
@@ -125,16 +143,17 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
 
     ``cond`` (B, tokens, dim) and ``uncond`` (1, tokens, dim) are text states (not yet repeated
     per frame), or per frame for a model with frame markers (``TextCache.frames``; ``uncond`` as
-    ``stages.uncond_rows`` takes it). ``idx`` (grid indices) and ``noise`` are drawn from torch's global generator
-    unless given (the probe gives fixed ones). ``cells`` (B, 1, T, h, w) weights the loss per
-    latent cell (``stages.shape_weight``), as in the teacher's loss. ``noise_shared`` is the
+    ``stages.uncond_rows`` takes it). ``idx`` (grid indices, :func:`grid_indices`) and ``noise``
+    are drawn from torch's global generator unless given (the probe gives fixed ones). ``cells``
+    (B, 1, T, h, w) weights the loss per latent cell (``stages.shape_weight``), as in the
+    teacher's loss. ``noise_shared`` is the
     teacher's noise prior (``pipeline.noise``), which the student inherits. With
     ``lcm.temporal``, ``background`` (B, 1, T, h, w; 1 where the shape is not) is where
     :func:`temporal_match` holds the frame-to-frame changes to the clip's.
     """
     b, frames = len(z0), z0.shape[2]
     if idx is None:
-        idx = torch.randint(0, lcm.solver_steps, (b,))
+        idx = grid_indices(b, lcm)
     idx = idx.to(z0.device)  # the UNets take their timesteps on the latents' device
     if noise is None:
         noise = video_noise.like(z0, noise_shared)
