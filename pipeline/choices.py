@@ -27,14 +27,14 @@ class Tier:
 TIERS: dict[str, Tier] = {"fast": Tier("fast", 6), "quality": Tier("quality", 8)}
 
 
-def check_noise_shared(shared) -> float:
-    """A model's noise prior (``pipeline.noise``) as a float, or ValueError naming the value and
-    what is allowed."""
+def check_noise_shared(shared, name: str = "noise_shared") -> float:
+    """A model's noise prior (``pipeline.noise``) as a float, or ValueError naming the field
+    ``name``, the value and what is allowed."""
     try:
         value = float(shared)
     except (TypeError, ValueError):
-        raise ValueError(f"noise_shared={shared!r}: must be a number from 0 to below 1") from None
+        raise ValueError(f"{name}={shared!r}: must be a number from 0 to below 1") from None
     if not 0.0 <= value < 1.0:
-        raise ValueError(f"noise_shared={value}: allowed 0 <= noise_shared < 1 (the share of the noise's variance "
+        raise ValueError(f"{name}={value}: allowed 0 <= {name} < 1 (the share of the noise's variance "
                          "common to all frames; 1 would make every frame the same)")
     return value

@@ -90,9 +90,17 @@ class ModelInfo:
     # clipmill.json "noise_shared": the share of the noise's variance common to all frames that
     # the model was trained with (pipeline.noise, PYoCo's mixed prior); 0 for independent noise
     noise_shared: float = 0.0
+    # clipmill.json "renoise_shared": the same share for the noise a consistency sampler (LCM) draws
+    # when it re-noises its clean estimate between steps; None: noise_shared, the training prior
+    renoise_shared: float | None = None
     # clipmill.json "frame_markers": the token ids of the model's frame markers (pipeline.frame_markers:
     # one prompt per frame, its last token the frame's place in the clip); () for a model without
     frame_markers: tuple[int, ...] = ()
+
+    @property
+    def renoise(self) -> float:
+        """The share common to all frames of the noise drawn between sampling steps."""
+        return self.noise_shared if self.renoise_shared is None else self.renoise_shared
 
     @property
     def is_tiny(self) -> bool:
@@ -420,6 +428,8 @@ def _teacher_and_world(path: Path, extra: dict) -> dict:
     out: dict = {"world": extra.get("world"), "teacher_guidance": float(extra.get("teacher_guidance", 7.5))}
     try:
         out["noise_shared"] = check_noise_shared(extra.get("noise_shared", 0.0))
+        if extra.get("renoise_shared") is not None:
+            out["renoise_shared"] = check_noise_shared(extra["renoise_shared"], "renoise_shared")
         out["frame_markers"] = check_markers(extra.get("frame_markers"))
     except ValueError as e:
         raise ModelError(f"{path / 'clipmill.json'}: {e}") from None

@@ -253,7 +253,8 @@ class Renderer:
         latents = torch.cat(noises)
         latents = (latents * getattr(scheduler, "init_noise_sigma", 1.0)).to(self.device, self.dtype)
 
-        # 3. denoise, with every cache reset before and after
+        # 3. denoise, with every cache reset before and after; LCM re-noises between steps with the
+        #    model's re-noising share (its prior unless its clipmill.json says "renoise_shared")
         self.reset_stats()
         self._reset_caches(settings.tier)
         windows = long_shot.apply(self.pipe.unet, free) if free is not None else None
@@ -262,7 +263,7 @@ class Renderer:
             alpha_bar = alpha_bar_fn(scheduler) if mode.startswith("rcfg") else None
             guided = GuidedDenoiser(predict, mode, settings.guidance, n, alpha_bar)
             latents = sample(guided, latents, scheduler, settings.steps, generators, callback,
-                             noise_shared=self.info.noise_shared)
+                             noise_shared=self.info.renoise)
             stats = self._cache_stats()
         finally:
             if windows is not None:

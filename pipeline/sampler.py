@@ -57,10 +57,10 @@ def sample(
 ) -> torch.Tensor:
     """Run ``steps`` denoising steps from ``latents`` (already scaled by ``init_noise_sigma``).
 
-    ``callback(step, total)`` is called after each step. ``noise_shared`` is the model's noise
-    prior (``pipeline.noise``): a sampler that re-noises its clean estimate between steps (LCM)
-    draws that noise with the same share common to all frames as the model was trained with; 0
-    leaves the scheduler's own independent noise.
+    ``callback(step, total)`` is called after each step. ``noise_shared`` is the share common to
+    all frames (``pipeline.noise``) of the noise that a sampler which re-noises its clean estimate
+    between steps (LCM) draws: the model's noise prior, or what its folder asks for instead
+    (``ModelInfo.renoise``); 0 leaves the scheduler's own independent noise.
     """
     scheduler.set_timesteps(steps, device=latents.device)
     timesteps = scheduler.timesteps

@@ -4,6 +4,7 @@ how a model folder declares it."""
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,41 @@ def test_a_model_folder_declares_its_prior_and_a_bad_one_is_refused(tmp_path, ti
         model_info(str(folder))
     assert str(e.value) == (f"{folder / 'clipmill.json'}: noise_shared=1.2: allowed 0 <= noise_shared < 1 (the share "
                             "of the noise's variance common to all frames; 1 would make every frame the same)")
+
+
+def test_a_model_folder_may_re_noise_with_another_share_and_the_renderer_uses_it(tmp_path):
+    """clipmill.json "renoise_shared": the share common to all frames of the noise LCM draws
+    between steps (the shipped shapes model: 0.95, trained with the 0.5 prior); without it the
+    prior. The same seed renders the same clip as without the key when the share is the prior,
+    and another clip when it is not; a bad value is refused naming the file and the field."""
+    from clipmill.pipeline.models import SHAPES_DIR, ModelError, model_info
+    from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
+
+    shipped = model_info("shapes")
+    assert (shipped.noise_shared, shipped.renoise_shared, shipped.renoise) == (0.5, 0.95, 0.95)
+    folder = tmp_path / "shapes"
+    shutil.copytree(SHAPES_DIR, folder, ignore=shutil.ignore_patterns("teacher"))
+    meta = json.loads((folder / "clipmill.json").read_text())
+    meta.pop("teacher")
+    req = ClipRequest(key="a", prompt="a red circle moves right on a beige background, pan left", seed=7, frames=8,
+                      width=64, height=64)
+
+    def render(**keys):
+        (folder / "clipmill.json").write_text(json.dumps({**{k: v for k, v in meta.items() if k != "renoise_shared"},
+                                                          **keys}))
+        info = model_info(str(folder))
+        renderer = Renderer(info)
+        try:
+            return info.renoise, renderer.render([req], GroupSettings(tier="fast", sampler=info.scheduler))[0].frames
+        finally:
+            renderer.close()
+
+    (prior, plain), (same, as_prior), (high, other) = render(), render(renoise_shared=0.5), render(renoise_shared=0.95)
+    assert (prior, same, high) == (0.5, 0.5, 0.95)
+    assert np.array_equal(plain, as_prior)
+    assert np.abs(plain.astype(int) - other.astype(int)).mean() > 1.0
+    (folder / "clipmill.json").write_text(json.dumps({**meta, "renoise_shared": 1.0}))
+    with pytest.raises(ModelError) as e:
+        model_info(str(folder))
+    assert str(e.value) == (f"{folder / 'clipmill.json'}: renoise_shared=1.0: allowed 0 <= renoise_shared < 1 (the "
+                            "share of the noise's variance common to all frames; 1 would make every frame the same)")

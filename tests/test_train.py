@@ -477,8 +477,10 @@ def test_a_teacher_fine_tuned_with_the_noise_prior_carries_it_to_the_student_and
     root, _, _ = trained
     first = export_model(root, tmp_path / "first")
     assert json.loads((first / "teacher" / "clipmill.json").read_text())["noise_shared"] == 0.0
+    assert "renoise_shared" not in json.loads((first / "clipmill.json").read_text())  # the recipe asks for none
     prior = replace(TINY, teacher=replace(TINY.teacher, steps=TINY.teacher.steps + 2),
-                    denoiser=replace(TINY.denoiser, noise_shared=0.5, prior_from=TINY.teacher.steps))
+                    denoiser=replace(TINY.denoiser, noise_shared=0.5, prior_from=TINY.teacher.steps),
+                    lcm=replace(TINY.lcm, renoise_shared=0.9))
     again, lines = tmp_path / "prior", []
     seed_from_teacher(first / "teacher", again, prior, lines.append)
     run_all(again, prior, clean_caption, lines.append, ("teacher", "student"))
@@ -488,6 +490,8 @@ def test_a_teacher_fine_tuned_with_the_noise_prior_carries_it_to_the_student_and
         assert json.loads((folder / "clipmill.json").read_text())["noise_shared"] == 0.5
         assert models.model_info(str(folder)).noise_shared == 0.5
     info = models.model_info(str(dest))
+    assert (info.renoise_shared, info.renoise) == (0.9, 0.9)  # the recipe's LCMConfig.renoise_shared, the student's only
+    assert models.model_info(str(dest / "teacher")).renoise == 0.5
     req = ClipRequest(key="a", prompt=clean_caption(shapes.caption(shapes.split_specs("train")[0])), seed=5, frames=8,
                       width=64, height=64)
     (res,) = Renderer(info).render([req], GroupSettings(tier="fast", sampler=info.scheduler))

@@ -63,6 +63,10 @@ class LCMConfig:
       (:func:`grid_indices`: index i drawn with probability proportional to ``(i + 1) ** grid_tilt``);
       0 draws them uniformly, as LCM does. The clip's layout and its motion are drawn at the
       highest grid points, whose consistency targets are reached last.
+    - ``renoise_shared``: not a training setting but how the exported student is sampled: the
+      share common to all frames of the noise LCM draws between steps (the folder's
+      clipmill.json ``"renoise_shared"``, ``ModelInfo.renoise``); None: the training prior
+      (``DenoiserConfig.noise_shared``).
     """
 
     solver_steps: int = 50
@@ -72,6 +76,7 @@ class LCMConfig:
     timestep_scaling: float = 10.0
     temporal: float = 0.0
     grid_tilt: float = 0.0
+    renoise_shared: float | None = None
 
     def __post_init__(self):
         if not 8 <= self.solver_steps <= 1000 or 1000 % self.solver_steps:
@@ -85,6 +90,8 @@ class LCMConfig:
             raise ValueError(f"LCMConfig.huber_c={self.huber_c}: must be >= 0")
         if self.temporal < 0:
             raise ValueError(f"LCMConfig.temporal={self.temporal}: must be >= 0")
+        if self.renoise_shared is not None:
+            video_noise.check_shared(self.renoise_shared, "LCMConfig.renoise_shared")
         if not 0.0 <= self.grid_tilt <= 4.0:
             raise ValueError(f"LCMConfig.grid_tilt={self.grid_tilt}: allowed 0 to 4 (the exponent of the grid "
                              "index's sampling weight; 4 already trains the top point about 10^6 times the lowest)")

@@ -78,6 +78,8 @@ class Recipe:
 # warmed up over 100 steps, the EMA warmed up again): the shipped teacher ran 2,000 such steps
 # (on a fresh pool of 4,096 clips), then its student was distilled again with them.
 # 0.36-0.88 s CPU a teacher step on 2 threads, by machine (the first plan: 2.2 s and 30,000 steps).
+# The exported student is sampled with LCM's re-noising 95% common to the frames (``renoise_shared``;
+# trained with the 0.5 prior): QC passed 81.5% of 200 unseen fast clips against 74%, motion the same.
 FULL = Recipe(
     name="full",
     vae=StageConfig(steps=2500, batch=32, lr=1e-3, ckpt_every=100, log_every=25, eval_every=500),
@@ -86,6 +88,7 @@ FULL = Recipe(
     student=StageConfig(steps=1000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
     denoiser=DenoiserConfig(unet=nets.TEACHER, pool_clips=16384, noise_shared=0.5, prior_from=13000, markers=8,
                             markers_from=15000),
+    lcm=LCMConfig(renoise_shared=0.95),
 )
 # Every stage for a few steps with small networks: checks the whole chain in minutes. Its model
 # draws nothing; it is never exported into the package.
