@@ -153,10 +153,9 @@ def consistency_loss(student, teacher, target, z0: torch.Tensor, cond: torch.Ten
     ``stages.uncond_rows`` takes it). ``idx`` (grid indices, :func:`grid_indices`) and ``noise``
     are drawn from torch's global generator unless given (the probe gives fixed ones). ``cells``
     (B, 1, T, h, w) weights the loss per latent cell (``stages.shape_weight``), as in the
-    teacher's loss. ``noise_shared`` is the
-    teacher's noise prior (``pipeline.noise``), which the student inherits. With
-    ``lcm.temporal``, ``background`` (B, 1, T, h, w; 1 where the shape is not) is where
-    :func:`temporal_match` holds the frame-to-frame changes to the clip's.
+    teacher's loss. ``noise_shared`` is the teacher's noise prior (``pipeline.noise``), which the
+    student inherits. With ``lcm.temporal``, ``background`` (B, 1, T, h, w; 1 where the shape is
+    not) is where :func:`temporal_match` holds the frame-to-frame changes to the clip's.
     """
     b, frames = len(z0), z0.shape[2]
     if idx is None:

@@ -77,7 +77,8 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             "teacher_guidance": guidance,
             "noise_shared": prior,  # the noise prior it was trained with and must be sampled with (pipeline.noise)
             # the share common to the frames of the noise LCM draws between steps, when not the prior
-            **({"renoise_shared": float(r)} if (r := (recipe_d.get("lcm") or {}).get("renoise_shared")) is not None else {}),
+            **({"renoise_shared": float(renoise)}
+               if (renoise := (recipe_d.get("lcm") or {}).get("renoise_shared")) is not None else {}),
             "tiers": {name: tier.steps for name, tier in TIERS.items()},
             # the token ids of its frame markers (pipeline.frame_markers), as its teacher learnt them
             **({"frame_markers": list(ids)} if (ids := (stages["teacher"] or {}).get("frame_markers")) else {}),
