@@ -28,8 +28,8 @@ TIERS: dict[str, Tier] = {"fast": Tier("fast", 6), "quality": Tier("quality", 8)
 
 
 def check_noise_shared(shared, name: str = "noise_shared") -> float:
-    """A model's noise prior (``pipeline.noise``) as a float, or ValueError naming the field
-    ``name``, the value and what is allowed."""
+    """A model's noise prior (``pipeline.noise``), or the share it re-noises with, as a float, or
+    ValueError naming the field ``name``, the value and what is allowed."""
     try:
         value = float(shared)
     except (TypeError, ValueError):

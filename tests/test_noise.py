@@ -107,13 +107,12 @@ def test_a_model_folder_may_re_noise_with_another_share_and_the_renderer_uses_it
     folder = tmp_path / "shapes"
     shutil.copytree(SHAPES_DIR, folder, ignore=shutil.ignore_patterns("teacher"))
     meta = json.loads((folder / "clipmill.json").read_text())
-    meta.pop("teacher")
+    meta.pop("teacher"), meta.pop("renoise_shared")
     req = ClipRequest(key="a", prompt="a red circle moves right on a beige background, pan left", seed=7, frames=8,
                       width=64, height=64)
 
     def render(**keys):
-        (folder / "clipmill.json").write_text(json.dumps({**{k: v for k, v in meta.items() if k != "renoise_shared"},
-                                                          **keys}))
+        (folder / "clipmill.json").write_text(json.dumps({**meta, **keys}))
         info = model_info(str(folder))
         renderer = Renderer(info)
         try:
