@@ -388,8 +388,13 @@ def test_bench_adherence_rows_teacher_steps_and_student_tiers(tmp_path, tiny_cac
     res = adherence_table(model_info(str(world_model_with_teacher(tmp_path))), clips=4, group=4, seed=3)
     rows = {r["row"]: r for r in res["rows"]}
     assert list(rows) == ["teacher, DDIM 50 steps, CFG 3", "teacher, DDIM 8 steps, CFG 3", "teacher, DDIM 6 steps, CFG 3",
-                          "student, quality tier (8 steps)", "student, fast tier (6 steps)"]
-    assert [r["steps"] for r in rows.values()] == [50, 8, 6, 8, 6] and res["heldout_clips"] == 2
+                          "student, quality tier (8 steps)", "student, fast tier (6 steps)",
+                          "student, quality tier (8 steps), up to 4 draws", "student, fast tier (6 steps), up to 4 draws"]
+    assert [r["steps"] for r in rows.values()] == [50, 8, 6, 8, 6, 8, 6] and res["heldout_clips"] == 2
+    assert [r["draws"] for r in rows.values()] == [1] * 5 + [4] * 2
+    # a row rendered once takes one render a clip; a drawing row between one and four
+    assert all(r["renders_per_clip"] == 1 for r in rows.values() if r["draws"] == 1)
+    assert all(1 <= r["renders_per_clip"] <= 4 for r in rows.values())
     for r in rows.values():
         for key in ("adherence", "adherence_heldout", "adherence_train"):
             assert set(r[key]) == {"colour", "shape", "motion", "background", "camera"}

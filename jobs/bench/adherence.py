@@ -5,7 +5,12 @@ combinations, half in Chinese; ``ladder.world_requests``) are rendered by:
 
 - the undistilled teacher at 50 DDIM steps with its guidance (the reference);
 - the same teacher at 8 and at 6 DDIM steps, no distillation;
-- the distilled student at the ``quality`` (8) and ``fast`` (6) tiers, as a batch renders them.
+- the distilled student at the ``quality`` (8) and ``fast`` (6) tiers, rendered once a clip: the
+  model's own adherence;
+- the same student at both tiers with draws (``jobs.runner.draws``, the default of ``clipmill
+  run``): a clip the analyzer reads wrong is rendered again from the next seed, up to
+  ``DEFAULT_DRAWS`` renders. This is what a batch delivers, and it is selection by the same
+  analyzer that scores the row, so it is reported beside the model's own rows, never instead.
 
 Per row: adherence per attribute over all clips, over the held-out combinations and over the
 training split; the motion's confusion (``motion_confusion``: per asked motion, what the analyzer
@@ -20,6 +25,8 @@ import time
 
 from clipmill.jobs.bench.failures import post, reason_kind
 from clipmill.jobs.bench.ladder import world_requests
+from clipmill.jobs.core.defaults import DEFAULT_DRAWS
+from clipmill.jobs.runner.draws import render_drawing
 from clipmill.pipeline import shapes
 from clipmill.pipeline.models import ModelInfo, model_info
 from clipmill.pipeline.render import GroupSettings, Renderer
@@ -27,15 +34,20 @@ from clipmill.qc import QCConfig
 from clipmill.qc import adherence as adh
 
 
-def _rows(info: ModelInfo, teacher: ModelInfo | None) -> list[tuple[str, bool, GroupSettings]]:
+def _rows(info: ModelInfo, teacher: ModelInfo | None) -> list[tuple[str, bool, GroupSettings, int]]:
+    """(name, teacher?, settings, draws) per row."""
     rows = []
     if teacher is not None:
         g = info.teacher_guidance
         for steps in (50, 8, 6):
             rows.append((f"teacher, DDIM {steps} steps, CFG {g:g}", True,
-                         GroupSettings(tier="quality", sampler="ddim", guidance=g, step_count=steps)))
-    rows.append(("student, quality tier (8 steps)", False, GroupSettings(tier="quality", sampler=info.scheduler)))
-    rows.append(("student, fast tier (6 steps)", False, GroupSettings(tier="fast", sampler=info.scheduler)))
+                         GroupSettings(tier="quality", sampler="ddim", guidance=g, step_count=steps), 1))
+    tiers = (("quality", "quality tier (8 steps)"), ("fast", "fast tier (6 steps)"))
+    for tier, label in tiers:
+        rows.append((f"student, {label}", False, GroupSettings(tier=tier, sampler=info.scheduler), 1))
+    for tier, label in tiers:
+        rows.append((f"student, {label}, up to {DEFAULT_DRAWS} draws", False,
+                     GroupSettings(tier=tier, sampler=info.scheduler), DEFAULT_DRAWS))
     return rows
 
 
@@ -66,17 +78,19 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
     try:
         if teacher is not None:
             renderers[True] = Renderer(teacher, device=device)
-        for name, is_teacher, settings in _rows(info, teacher):
+        for name, is_teacher, settings, draws in _rows(info, teacher):
             if progress:
                 progress(f"{name}: {clips} clips")
             t1 = time.perf_counter()
-            results = [x for i in range(0, clips, group)
-                       for x in renderers[is_teacher].render(reqs[i:i + group], settings)]
+            drawn = [x for i in range(0, clips, group)
+                     for x in render_drawing(renderers[is_teacher], reqs[i:i + group], settings, draws)]
+            results = [d.result for d in drawn]
             seconds = (time.perf_counter() - t1) / clips
             a = [adh.analyze(r.frames) for r in results]
             row = {
                 "row": name, "model": "teacher" if is_teacher else "student", "steps": settings.steps,
-                "guidance": settings.guidance, "render_s_per_clip": round(seconds, 4),
+                "guidance": settings.guidance, "draws": draws, "render_s_per_clip": round(seconds, 4),
+                "renders_per_clip": round(sum(d.draws for d in drawn) / clips, 4),
                 "adherence": _round(adh.adherence(a, specs)),
                 "adherence_heldout": _round(adh.adherence(a[0::2], specs[0::2])),
                 "adherence_train": _round(adh.adherence(a[1::2], specs[1::2])),

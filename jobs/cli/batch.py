@@ -13,6 +13,7 @@ from rich.markup import escape
 from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_JOB_FAILED, BadInput, SetupError, batch_options, default_device,
                                       domain_errors, duration, err, open_db, out, print_table, qc_config_options,
                                       redact_url, settings, submit_options, warn, warn_model)
+from clipmill.jobs.core.defaults import DEFAULT_DRAWS, MAX_DRAWS
 from clipmill.pipeline.models import TINY_MODELS, TINY_WARNING
 
 
@@ -123,7 +124,13 @@ def send_to_farm(db, job_ids: list[int]) -> None:
               help="tiny: the model folder's AutoencoderTiny (vae_tiny/), faster and rougher.")
 @click.option("--compile", "compile_how", type=click.Choice(["none", "torch", "tensorrt"]), default="none",
               envvar="CLIPMILL_COMPILE", show_default=True, help="Compile the denoiser (GPU only).")
-def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cache, guidance_mode, decoder, compile_how):
+@click.option("--draws", type=click.IntRange(1, MAX_DRAWS), default=DEFAULT_DRAWS, envvar="CLIPMILL_DRAWS",
+              show_default=True,
+              help="Renders a clip of a shapes-world model may take: a clip the world's analyzer reads as other "
+                   "than its prompt asks is rendered again from the next seed, and the first that reads right is "
+                   "kept (1: every clip rendered once; other models always render once). See README, Draws.")
+def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cache, guidance_mode, decoder, compile_how,
+        draws):
     """Submit FILE and render, post-process and QC it in this process.
 
     Every option, the device, the model folder and the storage root are checked before the
@@ -183,7 +190,7 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
         if model in TINY_MODELS:
             warn(TINY_WARNING.format(name=model))
     db = open_db()
-    ctx = WorkerContext(db, device=device, qc_config=qc_cfg, guidance_mode=guidance_mode,
+    ctx = WorkerContext(db, device=device, qc_config=qc_cfg, guidance_mode=guidance_mode, draws=draws,
                         render_options=RenderOptions(feature_cache=feature_cache, decoder=decoder, compile=compile_how))
     t0 = time.perf_counter()
     with _RunProgress(db, batch_id, group_size, device) as progress:

@@ -41,7 +41,8 @@ from clipmill.pipeline.models import SHAPES, ModelError
 @click.option("--adherence", is_flag=True,
               help="Instead of the ladder (a shapes-world model only, at its own size and frames): adherence per "
                    "attribute of its teacher at 50, 8 and 6 DDIM steps and its student at both tiers on "
-                   "--quality-clips prompts, and QC's pass rate.")
+                   "--quality-clips prompts, rendered once (the model's own) and with run's default draws (what a "
+                   "batch delivers: see README, Draws), and QC's pass rate.")
 @click.option("--assembly", is_flag=True,
               help="Instead of the ladder: the seconds to assemble one 15 s 720x1280 ad (examples/ad/speed-15s.toml: "
                    "3 shots, 3 texts, logo, end card, music) from rendered footage, CPU and wall, median of --repeat.")
@@ -216,14 +217,15 @@ def _adherence(info, device, clips, qc_cfg, as_json) -> None:
         click.echo(json.dumps(result))
         return
     t = Table("row", *ATTRIBUTES, "held-out c/s/m/b/k", "train c/s/m/b/k", "motion right: left right up down still",
-              "QC passed", "s/clip",
+              "QC passed", "renders/clip", "s/clip",
               title=f"adherence on {result['clips']} shapes prompts ({result['heldout_clips']} held out), {info.name}")
     for r in result["rows"]:
         t.add_row(r["row"], *(f"{r['adherence'][k]:.1%}" for k in ATTRIBUTES),
                   "/".join(f"{r['adherence_heldout'][k] * 100:.0f}" for k in ATTRIBUTES),
                   "/".join(f"{r['adherence_train'][k] * 100:.0f}" for k in ATTRIBUTES),
                   motion_by_asked(r["motion_confusion"]),
-                  "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['render_s_per_clip']:.3f}")
+                  "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['renders_per_clip']:.2f}",
+                  f"{r['render_s_per_clip']:.3f}")
     out.print(t)
 
 

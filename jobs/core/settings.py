@@ -15,6 +15,7 @@ variable, its value and what is allowed. Nothing else in ``clipmill.jobs`` reads
 | CLIPMILL_DECODER | vae or tiny | vae |
 | CLIPMILL_COMPILE | none, torch or tensorrt | none |
 | CLIPMILL_GUIDANCE_MODE | cfg, rcfg-self or rcfg-onetime | cfg |
+| CLIPMILL_DRAWS | renders a clip of a shapes-world model may take until it reads as asked (1-16; 1: off) | 4 |
 | CLIPMILL_VISIBILITY_TIMEOUT | seconds before Redis redelivers an unacked message | 14400 |
 | CLIPMILL_TIMEZONE | the zone of times of day (nightly deadline, beat) | this host's |
 | CLIPMILL_RECONCILE_EVERY | beat: seconds between reconciles (0: off) | 60 |
@@ -36,6 +37,7 @@ from zoneinfo import ZoneInfo
 
 from sqlalchemy.engine import make_url
 
+from clipmill.jobs.core.defaults import DEFAULT_DRAWS, MAX_DRAWS
 from clipmill.pipeline.choices import COMPILERS, DECODERS, GUIDANCE_MODES
 
 DEFAULT_DATABASE_URL = "sqlite:///clipmill.db"
@@ -116,6 +118,7 @@ class Settings:
     decoder: str = "vae"
     compile: str = "none"
     guidance_mode: str = "cfg"
+    draws: int = DEFAULT_DRAWS
     visibility_timeout_s: int = 4 * 3600  # longer than any render
     timezone: str = "UTC"
     reconcile_every_s: float = 60.0
@@ -157,6 +160,7 @@ class Settings:
             decoder=_choice("CLIPMILL_DECODER", get("CLIPMILL_DECODER") or "vae", DECODERS),
             compile=_choice("CLIPMILL_COMPILE", get("CLIPMILL_COMPILE") or "none", COMPILERS),
             guidance_mode=_choice("CLIPMILL_GUIDANCE_MODE", get("CLIPMILL_GUIDANCE_MODE") or "cfg", GUIDANCE_MODES),
+            draws=_int("CLIPMILL_DRAWS", get("CLIPMILL_DRAWS") or str(DEFAULT_DRAWS), 1, MAX_DRAWS),
             visibility_timeout_s=_int("CLIPMILL_VISIBILITY_TIMEOUT", get("CLIPMILL_VISIBILITY_TIMEOUT") or str(4 * 3600),
                                       60, 7 * 24 * 3600),
             timezone=zone,

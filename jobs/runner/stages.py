@@ -29,6 +29,7 @@ from clipmill.jobs.core.operations import release
 from clipmill.jobs.core.preflight import SetupProblem
 from clipmill.jobs.core.queue import attempts_left
 from clipmill.jobs.core.settings import Settings
+from clipmill.jobs.runner.draws import DEFAULT_DRAWS, check_draws, render_drawing
 from clipmill.jobs.core.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from clipmill.pipeline import shapes
 from clipmill.pipeline.models import model_info
@@ -53,8 +54,9 @@ class WorkerContext:
     """What a worker keeps between tasks: the database, warm models and storage backends."""
 
     def __init__(self, db: Database, device: str = "cpu", qc_config: QCConfig = QCConfig(),
-                 render_options: RenderOptions | None = None, guidance_mode: str = "cfg"):
+                 render_options: RenderOptions | None = None, guidance_mode: str = "cfg", draws: int = DEFAULT_DRAWS):
         self.db = db
+        self.draws = check_draws(draws)  # renders a checkable clip may take (jobs.runner.draws)
         self.device = device
         self.qc_config = qc_config
         self.render_options = render_options or RenderOptions()
@@ -72,6 +74,7 @@ class WorkerContext:
             render_options=RenderOptions(feature_cache=settings.feature_cache, decoder=settings.decoder,
                                          compile=settings.compile),
             guidance_mode=settings.guidance_mode,
+            draws=settings.draws,
         )
 
     def renderer(self, model: str) -> Renderer:
@@ -154,7 +157,7 @@ def render_group(
         release(ctx.db, [a.id for a, _, _ in rows])
         raise SetupProblem(f"the model {batch.model} does not load on {ctx.device} ({why})") from e
     try:
-        results = renderer.render(requests, settings, callback)
+        drawn = render_drawing(renderer, requests, settings, ctx.draws, callback)
     except Exception:  # a render error fails every attempt in the group; jobs retry if they can
         err = traceback.format_exc()
         log.error("render failed: %s", err.splitlines()[-1], extra=ids(batch=batch.id, group=first_attempt.group_id))
@@ -163,7 +166,11 @@ def render_group(
         return []
 
     done = []
-    for (a, j, _), res in zip(rows, results):
+    for (a, j, _), d in zip(rows, drawn):
+        res = d.result
+        if d.draws > 1:
+            log.info("rendered %s draws to read as asked; kept seed %s (%s)", d.draws, d.seed,
+                     "; ".join(_read_line(r) for r in d.reads), extra=ids(j, a))
         raw_key = attempt_key(j, a, ".frames.npy")
         try:  # a storage error fails the attempt now: the job must not sit in rendering until its lease expires
             storage = ctx.storage(batch.out)
@@ -176,10 +183,14 @@ def render_group(
             log.error("%s", reason, extra=ids(j, a))
             _fail(ctx.db, a.id, f"{traceback.format_exc()}{reason}")  # the job's reason is the last line
             continue
-        timings = dict(res.timings, fps_in=res.fps)
+        timings = dict(res.timings, fps_in=res.fps, draws=d.draws)
+        if d.draws > 1:
+            timings["draws_extra_s"] = d.extra_s  # rendering the draws that were not kept
         try:
             with ctx.db.session() as s, s.begin():
-                move_attempt(s, a.id, AttemptState.RENDERING, AttemptState.RENDERED, raw_key=raw_key, timings=timings)
+                # the seed the kept draw was rendered from (the attempt's own unless it was drawn again)
+                move_attempt(s, a.id, AttemptState.RENDERING, AttemptState.RENDERED, raw_key=raw_key, timings=timings,
+                             seed=d.seed)
                 move_job(s, j.id, JobState.RENDERING, JobState.POST)
         except MoveConflict:
             # the lease was taken back (or the job cancelled) while we rendered: drop our frames
@@ -194,6 +205,14 @@ def render_group(
             continue
         done.append(a.id)
     return done
+
+
+def _read_line(read: dict) -> str:
+    """One draw's reading for the log: its seed and the attributes read wrong."""
+    if read["match"] is None:
+        return f"seed {read['seed']}: not read"
+    wrong = [k for k, ok in read["match"].items() if not ok]
+    return f"seed {read['seed']}: " + (f"wrong {', '.join(wrong)}" if wrong else "right")
 
 
 def clip_adherence(prompt: str, frames: np.ndarray) -> dict | None:
@@ -222,7 +241,8 @@ def sidecar(job: Job, attempt: Attempt, fps_in: float, frames_out: int, qc: dict
         "prompt": job.prompt,
         "negative_prompt": job.negative_prompt,
         "elements": job.elements,
-        "seed": attempt.seed,
+        "seed": attempt.seed,  # the seed of the kept draw: it renders this clip again with --draws 1
+        "draws": timings.get("draws", 1),  # renders this clip took (jobs.runner.draws)
         "model": attempt.model,
         "sampler": attempt.sampler,
         "tier": attempt.tier,
