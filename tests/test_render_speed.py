@@ -389,16 +389,20 @@ def test_bench_adherence_rows_teacher_steps_and_student_tiers(tmp_path, tiny_cac
     rows = {r["row"]: r for r in res["rows"]}
     assert list(rows) == ["teacher, DDIM 50 steps, CFG 3", "teacher, DDIM 8 steps, CFG 3", "teacher, DDIM 6 steps, CFG 3",
                           "student, quality tier (8 steps)", "student, fast tier (6 steps)",
-                          "student, quality tier (8 steps), up to 4 draws", "student, fast tier (6 steps), up to 4 draws"]
+                          "student, quality tier (8 steps), up to 8 draws", "student, fast tier (6 steps), up to 8 draws"]
     assert [r["steps"] for r in rows.values()] == [50, 8, 6, 8, 6, 8, 6] and res["heldout_clips"] == 2
-    assert [r["draws"] for r in rows.values()] == [1] * 5 + [4] * 2
-    # a row rendered once takes one render a clip; a drawing row between one and four
+    assert [r["draws"] for r in rows.values()] == [1] * 5 + [8] * 2
+    # a row rendered once takes one render a clip; a drawing row between one and eight
     assert all(r["renders_per_clip"] == 1 for r in rows.values() if r["draws"] == 1)
-    assert all(1 <= r["renders_per_clip"] <= 4 for r in rows.values())
+    assert all(1 <= r["renders_per_clip"] <= 8 for r in rows.values())
     for r in rows.values():
         for key in ("adherence", "adherence_heldout", "adherence_train"):
             assert set(r[key]) == {"colour", "shape", "motion", "background", "camera"}
         assert ("qc_passed" in r) == (r["model"] == "student")
+        # the second reader per attribute and all five; all five right is at most any one right
+        assert set(r["second_reader"]) == {"colour", "shape", "motion", "background", "camera", "all"}
+        assert r["second_reader"]["all"] <= min(v for k, v in r["second_reader"].items() if k != "all")
+        assert 0 <= r["all_right"] <= min(r["adherence"].values()) and 0 <= r["readers_agree"] <= 1
         # per asked motion, what was read: every clip counted once, under its own asked motion
         conf = r["motion_confusion"]
         assert list(conf) == list(shapes.MOTIONS) and sum(sum(v.values()) for v in conf.values()) == 4

@@ -185,3 +185,48 @@ def test_a_tilt_moves_the_background_vertically_and_stays_out_of_the_grammar():
     assert shapes.reversed_spec(tilt) == shapes.Spec("blue", "circle", "moves down", "grey", "tilt down")
     with pytest.raises(ValueError, match=r"allowed: static shot, pan left, pan right, zoom in \(or, in training only, tilt up, tilt down\)$"):
         shapes.Spec("blue", "circle", "moves up", "grey", "tilt left")
+
+
+def test_the_worlds_own_clips_read_clearly():
+    # the margins draws keep clips by (qc.adherence.clear) hold on every clip of the world itself
+    clips = _clips(120, 77)
+    for spec, c in clips:
+        got = adherence.clear(adherence.analyze(c.frames), spec)
+        assert all(got.values()), (spec, got)
+
+
+def _analysis(motion="stays still", camera="static shot", travel=(0.0, 0.0), pan=0.0, zoom=1.0):
+    return adherence.Analysis(colour="red", shape="circle", motion=motion, background="grey", camera=camera,
+                              travel=travel, pan=pan, zoom=zoom, top=0.5, bottom=0.5, found=1.0)
+
+
+def test_clear_refuses_readings_near_a_boundary():
+    spec = shapes.Spec("red", "circle", "stays still", "grey", "static shot")
+    assert all(adherence.clear(_analysis(), spec).values())
+    # read right, but a reader with its still/moving boundary at half the world's 10% disagrees
+    assert adherence.clear(_analysis(travel=(0.07, 0.0)), spec)["motion"] is False
+    assert adherence.clear(_analysis(pan=0.03), spec)["camera"] is False  # drifts half a pan's minimum
+    assert adherence.clear(_analysis(zoom=1.07), spec)["camera"] is False
+    left = shapes.Spec("red", "circle", "moves left", "grey", "pan right")
+    ok = _analysis("moves left", "pan right", travel=(-0.2, 0.05), pan=-0.08)
+    assert all(adherence.clear(ok, left).values())
+    assert adherence.clear(_analysis("moves left", "pan right", (-0.13, 0.1), -0.08), left)["motion"] is False  # diagonal
+    assert adherence.clear(_analysis("moves left", "pan right", (-0.2, 0.0), -0.04), left)["camera"] is False
+    # a wrong word is never clear
+    assert adherence.clear(_analysis("moves right", "pan right", (0.2, 0.0), -0.08), left)["motion"] is False
+
+
+@pytest.mark.slow
+def test_the_second_reader_reads_the_world(tmp_path):
+    # qc.second_reader shares no code with the analyzer; on the world's own clips, raw and after
+    # the post stage's interpolation to 30 fps and H.264, it reads what they were made from
+    from clipmill.jobs.runner.stages import convert_and_check
+    from clipmill.qc import QCConfig, second_reader
+
+    clips = _clips(100, 4242)
+    wrong = [(s, second_reader.read(c.frames)) for s, c in clips if second_reader.read(c.frames) != s.as_dict()]
+    assert len(wrong) <= 1, wrong
+    for i, (s, c) in enumerate(clips[:24]):
+        decoded, _, _, _ = convert_and_check(c.frames, shapes.FPS, 30, str(tmp_path / f"{i}.mp4"), QCConfig())
+        assert len(decoded) > 3 * len(c.frames)
+        assert second_reader.read(decoded) == s.as_dict(), s

@@ -13,7 +13,10 @@ combinations, half in Chinese; ``ladder.world_requests``) are rendered by:
   analyzer that scores the row, so it is reported beside the model's own rows, never instead.
 
 Per row: adherence per attribute over all clips, over the held-out combinations and over the
-training split; the motion's confusion (``motion_confusion``: per asked motion, what the analyzer
+training split; the share read right on all five (``all_right``); the same prompts read by the
+second reader (``qc.second_reader``, written apart from the analyzer: per attribute and all five)
+and how often the two readers read the same five words (``readers_agree``): for the draws rows,
+which the analyzer selected, the second reader's figure is the independent one; the motion's confusion (``motion_confusion``: per asked motion, what the analyzer
 read, so that the directions a model confuses show: up against down, say); and, for the student
 rows, the share of clips that QC (the post stage's own code: interpolation, H.264, QC) passes.
 Everything goes through the production renderer.
@@ -32,6 +35,7 @@ from clipmill.pipeline.models import ModelInfo, model_info
 from clipmill.pipeline.render import GroupSettings, Renderer
 from clipmill.qc import QCConfig
 from clipmill.qc import adherence as adh
+from clipmill.qc import second_reader
 
 
 def _rows(info: ModelInfo, teacher: ModelInfo | None) -> list[tuple[str, bool, GroupSettings, int]]:
@@ -87,6 +91,7 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
             results = [d.result for d in drawn]
             seconds = (time.perf_counter() - t1) / clips
             a = [adh.analyze(r.frames) for r in results]
+            second = [second_reader.read(r.frames) for r in results]
             row = {
                 "row": name, "model": "teacher" if is_teacher else "student", "steps": settings.steps,
                 "guidance": settings.guidance, "draws": draws, "render_s_per_clip": round(seconds, 4),
@@ -95,6 +100,9 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
                 "adherence_heldout": _round(adh.adherence(a[0::2], specs[0::2])),
                 "adherence_train": _round(adh.adherence(a[1::2], specs[1::2])),
                 "motion_confusion": adh.confusion(a, specs, "motion"),
+                "all_right": round(sum(x.label() == s.as_dict() for x, s in zip(a, specs)) / clips, 4),
+                "second_reader": _round(_second(second, specs)),
+                "readers_agree": round(sum(x.label() == y for x, y in zip(a, second)) / clips, 4),
             }
             if not is_teacher:
                 rate, reasons = qc_pass_rate(results, fps_out, qc)
@@ -106,6 +114,13 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
     return {"model": info.name, "teacher": str(info.teacher) if teacher else None, "clips": clips,
             "heldout_clips": (clips + 1) // 2, "size": list(size), "frames": frames, "fps_out": fps_out,
             "rows": out, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _second(reads: list[dict], specs: list[shapes.Spec]) -> dict[str, float]:
+    """Per attribute and over all five ('all'), the share of clips the second reader reads as asked."""
+    out = {k: sum(r[k] == getattr(s, k) for r, s in zip(reads, specs)) / len(specs) for k in shapes.ATTRIBUTES}
+    out["all"] = sum(r == s.as_dict() for r, s in zip(reads, specs)) / len(specs)
+    return out
 
 
 def _round(d: dict) -> dict:

@@ -126,9 +126,10 @@ def send_to_farm(db, job_ids: list[int]) -> None:
               envvar="CLIPMILL_COMPILE", show_default=True, help="Compile the denoiser (GPU only).")
 @click.option("--draws", type=click.IntRange(1, MAX_DRAWS), default=DEFAULT_DRAWS, envvar="CLIPMILL_DRAWS",
               show_default=True,
-              help="Renders a clip of a shapes-world model may take: a clip the world's analyzer reads as other "
-                   "than its prompt asks is rendered again from the next seed, and the first that reads right is "
-                   "kept (1: every clip rendered once; other models always render once). See README, Draws.")
+              help="Renders a clip of a shapes-world model may take: a clip the world's analyzer does not read "
+                   "clearly as its prompt asks (a wrong word, or motion or camera too near a boundary) is rendered "
+                   "again from the next seed, and the first read clearly right is kept (1: every clip rendered "
+                   "once; other models always render once). See README, Draws.")
 def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cache, guidance_mode, decoder, compile_how,
         draws):
     """Submit FILE and render, post-process and QC it in this process.

@@ -216,14 +216,16 @@ def _adherence(info, device, clips, qc_cfg, as_json) -> None:
     if as_json:
         click.echo(json.dumps(result))
         return
-    t = Table("row", *ATTRIBUTES, "held-out c/s/m/b/k", "train c/s/m/b/k", "motion right: left right up down still",
-              "QC passed", "renders/clip", "s/clip",
+    t = Table("row", *ATTRIBUTES, "all 5", "held-out c/s/m/b/k", "train c/s/m/b/k",
+              "motion right: left right up down still", "2nd reader c/s/m/b/k all 5", "QC passed", "renders/clip",
+              "s/clip",
               title=f"adherence on {result['clips']} shapes prompts ({result['heldout_clips']} held out), {info.name}")
     for r in result["rows"]:
-        t.add_row(r["row"], *(f"{r['adherence'][k]:.1%}" for k in ATTRIBUTES),
+        t.add_row(r["row"], *(f"{r['adherence'][k]:.1%}" for k in ATTRIBUTES), f"{r['all_right']:.1%}",
                   "/".join(f"{r['adherence_heldout'][k] * 100:.0f}" for k in ATTRIBUTES),
                   "/".join(f"{r['adherence_train'][k] * 100:.0f}" for k in ATTRIBUTES),
                   motion_by_asked(r["motion_confusion"]),
+                  "/".join(f"{r['second_reader'][k] * 100:.0f}" for k in (*ATTRIBUTES, "all")),
                   "" if "qc_passed" not in r else f"{r['qc_passed']:.1%}", f"{r['renders_per_clip']:.2f}",
                   f"{r['render_s_per_clip']:.3f}")
     out.print(t)

@@ -4,5 +4,5 @@ Kept free of any import, so that ``clipmill --help`` can show them without loadi
 database layer (``tests/test_packaging.py`` times it).
 """
 
-DEFAULT_DRAWS = 4  # renders a shapes-world clip may take until it reads as asked (jobs.runner.draws)
+DEFAULT_DRAWS = 8  # renders a shapes-world clip may take until it reads as asked (jobs.runner.draws)
 MAX_DRAWS = 16

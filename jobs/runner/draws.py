@@ -5,9 +5,12 @@ A shapes-world model's clips can be checked against their prompts (``qc.adherenc
 world's analyzer). The render stage reads each such clip as soon as it is rendered (the raw
 frames, milliseconds a clip), and a clip that shows something other than its prompt asks on
 any attribute (a shape moving down when "moves up" was asked, say) is rendered again from the
-next seed of a fixed sequence, up to ``draws`` renders in all. The first draw that reads right
-is kept; when none does, the one that reads right on the most attributes (the earliest of
-equals). Clips of any other model, or with prompts outside the grammar, are rendered once.
+next seed of a fixed sequence, up to ``draws`` renders in all. A draw counts as right only when
+it reads right *clearly* (``qc.adherence.clear``: its shape's travel and its camera's drift
+clear the world's stated minimums by a margin), so that a reader drawing its boundaries
+elsewhere agrees with it. The first such draw is kept; when none is, the one clear on the most
+attributes, then right on the most (the earliest of equals). Clips of any other model, or with
+prompts outside the grammar, are rendered once.
 
 This is selection, not a better model: the model's own adherence is what one draw reads
 (``clipmill bench --adherence`` reports both). The draw sequence is a pure function of the
@@ -25,7 +28,7 @@ from typing import Callable, Sequence
 from clipmill.jobs.core.defaults import DEFAULT_DRAWS, MAX_DRAWS
 from clipmill.pipeline import shapes
 from clipmill.pipeline.render import ClipRequest, ClipResult, GroupSettings, Renderer
-from clipmill.qc.adherence import score
+from clipmill.qc.adherence import analyze, clear
 
 log = logging.getLogger("clipmill.draws")
 
@@ -53,7 +56,9 @@ class Drawn:
     result: ClipResult
     seed: int
     draws: int = 1  # renders this clip took
-    reads: list[dict] = field(default_factory=list)  # per draw: {"seed", "match": {attribute: bool} or None}
+    # per draw: {"seed", "match": {attribute: read right}, "clear": {attribute: read right clearly}};
+    # both None when the analyzer failed on it
+    reads: list[dict] = field(default_factory=list)
     render_s: float = 0.0  # render seconds of all its draws (the kept one's own are in its timings)
 
     @property
@@ -82,12 +87,13 @@ def render_drawing(
     check_draws(draws)
     specs = [checkable(renderer, r.prompt) if draws > 1 else None for r in requests]
     kept: list[Drawn] = []
-    right: list[int] = []  # attributes the kept draw reads right (-1: not checked)
+    right: list[tuple[int, int]] = []  # (clearly right, right) attributes of the kept draw; (-1, -1): not checked
+    done = (len(shapes.ATTRIBUTES), len(shapes.ATTRIBUTES))
     # 1. the first draw: every clip, from its own seed
     for req, res, spec in zip(requests, renderer.render(requests, settings, callback), specs):
         kept.append(Drawn(res, req.seed, render_s=res.timings.get("render_s", 0.0)))
-        right.append(_read(kept[-1], res, req.seed, spec) if spec is not None else -1)
-    todo = [i for i, spec in enumerate(specs) if spec is not None and right[i] < len(shapes.ATTRIBUTES)]
+        right.append(_read(kept[-1], res, req.seed, spec) if spec is not None else (-1, -1))
+    todo = [i for i, spec in enumerate(specs) if spec is not None and right[i] < done]
     # 2. later draws: the clips still reading wrong, each from the next seed of its sequence
     for d in range(1, draws):
         if not todo:
@@ -100,18 +106,21 @@ def render_drawing(
             n = _read(k, res, req.seed, specs[i])
             if n > right[i]:  # strictly more: the earliest of equals stays
                 right[i], k.result, k.seed = n, res, req.seed
-        todo = [i for i in todo if right[i] < len(shapes.ATTRIBUTES)]
+        todo = [i for i in todo if right[i] < done]
     return kept
 
 
-def _read(drawn: Drawn, result: ClipResult, seed: int, spec: shapes.Spec) -> int:
+def _read(drawn: Drawn, result: ClipResult, seed: int, spec: shapes.Spec) -> tuple[int, int]:
     """Read one draw against its spec, record it, and return how many attributes it gets right
-    (0 when the analyzer fails on it: such a draw is kept only if no other is read)."""
+    clearly and how many right ((0, 0) when the analyzer fails on it: such a draw is kept only
+    if no other is read)."""
     try:
-        match = dict(score(result.frames, spec))
+        a = analyze(result.frames)
     except Exception as e:  # noqa: BLE001 - a draw the analyzer cannot read counts as read wrong
         log.warning("draws: the analyzer failed on a draw of %r (seed %s): %s", spec, seed, e)
-        drawn.reads.append({"seed": seed, "match": None})
-        return 0
-    drawn.reads.append({"seed": seed, "match": match})
-    return sum(match.values())
+        drawn.reads.append({"seed": seed, "match": None, "clear": None})
+        return (0, 0)
+    match = {attr: getattr(a, attr) == getattr(spec, attr) for attr in shapes.ATTRIBUTES}
+    sure = clear(a, spec)
+    drawn.reads.append({"seed": seed, "match": match, "clear": sure})
+    return (sum(sure.values()), sum(match.values()))

@@ -170,7 +170,7 @@ def render_group(
         res = d.result
         if d.draws > 1:
             log.info("rendered %s draws to read as asked; kept seed %s (%s)", d.draws, d.seed,
-                     "; ".join(_read_line(r) for r in d.reads), extra=ids(j, a))
+                     " | ".join(_read_line(r) for r in d.reads), extra=ids(j, a))
         raw_key = attempt_key(j, a, ".frames.npy")
         try:  # a storage error fails the attempt now: the job must not sit in rendering until its lease expires
             storage = ctx.storage(batch.out)
@@ -208,11 +208,14 @@ def render_group(
 
 
 def _read_line(read: dict) -> str:
-    """One draw's reading for the log: its seed and the attributes read wrong."""
+    """One draw's reading for the log: its seed, the attributes read wrong and those read right
+    but too near a boundary (``qc.adherence.clear``)."""
     if read["match"] is None:
         return f"seed {read['seed']}: not read"
     wrong = [k for k, ok in read["match"].items() if not ok]
-    return f"seed {read['seed']}: " + (f"wrong {', '.join(wrong)}" if wrong else "right")
+    unclear = [k for k, ok in read["clear"].items() if not ok and read["match"][k]]
+    parts = ([f"wrong {', '.join(wrong)}"] if wrong else []) + ([f"unclear {', '.join(unclear)}"] if unclear else [])
+    return f"seed {read['seed']}: " + ("; ".join(parts) if parts else "right")
 
 
 def clip_adherence(prompt: str, frames: np.ndarray) -> dict | None:
