@@ -289,6 +289,11 @@ def confusion(analyses: Sequence[Analysis], specs: Sequence[shapes.Spec], attrib
     return out
 
 
+def matches(a: Analysis, spec: shapes.Spec) -> dict[str, bool]:
+    """Per attribute, whether an analysis reads the word ``spec`` asks."""
+    return {attr: getattr(a, attr) == getattr(spec, attr) for attr in shapes.ATTRIBUTES}
+
+
 # Margins of a clear reading (:func:`clear`), from the world's stated minimums (a moving shape
 # travels at least 10% of the side, a pan at least 5%), so that a reader whose boundaries lie
 # anywhere between half those minimums and the minimums themselves reads the clip the same way,
@@ -313,7 +318,7 @@ def clear(a: Analysis, spec: shapes.Spec) -> dict[str, bool]:
     background, which do not sit near a boundary on the world's own clips, by their words). The
     draws of ``clipmill run`` keep a clip read clearly, so that a reader with other boundaries
     agrees with it."""
-    out = {attr: getattr(a, attr) == getattr(spec, attr) for attr in shapes.ATTRIBUTES}
+    out = matches(a, spec)
     if out["motion"]:
         dx, dy = a.travel
         if spec.motion == "stays still":
@@ -335,8 +340,7 @@ def clear(a: Analysis, spec: shapes.Spec) -> dict[str, bool]:
 
 def score(frames: np.ndarray, spec: shapes.Spec) -> Mapping[str, bool]:
     """Per attribute, whether one clip shows what ``spec`` asks."""
-    a = analyze(frames)
-    return {attr: getattr(a, attr) == getattr(spec, attr) for attr in shapes.ATTRIBUTES}
+    return matches(analyze(frames), spec)
 
 
 def report(frames: np.ndarray, spec: shapes.Spec) -> dict:

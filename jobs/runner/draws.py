@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 from clipmill.jobs.core.defaults import DEFAULT_DRAWS, MAX_DRAWS
 from clipmill.pipeline import shapes
 from clipmill.pipeline.render import ClipRequest, ClipResult, GroupSettings, Renderer
-from clipmill.qc.adherence import analyze, clear
+from clipmill.qc.adherence import analyze, clear, matches
 
 log = logging.getLogger("clipmill.draws")
 
@@ -120,7 +120,7 @@ def _read(drawn: Drawn, result: ClipResult, seed: int, spec: shapes.Spec) -> tup
         log.warning("draws: the analyzer failed on a draw of %r (seed %s): %s", spec, seed, e)
         drawn.reads.append({"seed": seed, "match": None, "clear": None})
         return (0, 0)
-    match = {attr: getattr(a, attr) == getattr(spec, attr) for attr in shapes.ATTRIBUTES}
+    match = matches(a, spec)
     sure = clear(a, spec)
     drawn.reads.append({"seed": seed, "match": match, "clear": sure})
     return (sum(sure.values()), sum(match.values()))
