@@ -1,7 +1,7 @@
 """A second reader of the shapes world, built apart from ``qc.adherence``, to check it.
 
 ``clipmill run`` keeps, of up to ``--draws`` renders of a shapes-world clip, the first one that
-``qc.adherence`` (the analyzer) reads as its prompt asks. The same analyzer then scores the
+``qc.adherence`` (the analyzer) reads clearly as its prompt asks. The same analyzer then scores the
 delivered clips, so its figure is an upper bound for what an independent reader agrees with.
 This module is that independent reader, as far as one written in the same project can be: it
 shares no code or measurement with the analyzer, only the conventions the issue states.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-ATTRIBUTES = ("colour", "shape", "motion", "background", "camera")
 SIDE = 64  # working size
 TRAVEL_MIN = 0.05  # half the issue's 10% of the side
 PAN_MIN = 0.025  # half the issue's 5% of the side
@@ -164,16 +163,16 @@ def read(frames: np.ndarray) -> dict[str, str | None]:
     if len(seen) < len(f) / 2:
         return out
     c = SIDE / 2.0
-    pix, fills, world = [], [], {}
+    pix, profiles, world = [], [], {}
     for t in seen:
         m = masks[t]
         ys, xs = np.nonzero(m)
         pix.append(f[t][cv2.erode(m.astype(np.uint8), np.ones((3, 3), np.uint8)).astype(bool)] if m.sum() > 30 else f[t][m])
-        fills.append(_profile(m))
+        profiles.append(_profile(m))
         x, y = xs.mean() + 0.5, ys.mean() + 0.5
         world[t] = np.array([(x - c - d[t]) / z[t] + c, (y - c) / z[t] + c])
     out["colour"] = _colour(np.concatenate(pix))
-    out["shape"] = _shape(fills)
+    out["shape"] = _shape(profiles)
     first, last = seen[:2], seen[-2:]
     dx, dy = (np.mean([world[t] for t in last], axis=0) - np.mean([world[t] for t in first], axis=0))
     span = (np.mean(last) - np.mean(first)) / max(len(f) - 1, 1)  # extrapolate to the whole clip
@@ -185,9 +184,3 @@ def read(frames: np.ndarray) -> dict[str, str | None]:
     else:
         out["motion"] = "moves down" if dy > 0 else "moves up"
     return out
-
-
-def agree(frames: np.ndarray, asked: dict[str, str]) -> dict[str, bool]:
-    """Per attribute, whether this reader reads ``frames`` as ``asked``."""
-    got = read(frames)
-    return {a: got[a] == asked[a] for a in ATTRIBUTES}

@@ -13,11 +13,12 @@ combinations, half in Chinese; ``ladder.world_requests``) are rendered by:
   analyzer that scores the row, so it is reported beside the model's own rows, never instead.
 
 Per row: adherence per attribute over all clips, over the held-out combinations and over the
-training split; the share read right on all five (``all_right``); the same prompts read by the
-second reader (``qc.second_reader``, written apart from the analyzer: per attribute and all five)
-and how often the two readers read the same five words (``readers_agree``): for the draws rows,
-which the analyzer selected, the second reader's figure is the independent one; the motion's confusion (``motion_confusion``: per asked motion, what the analyzer
-read, so that the directions a model confuses show: up against down, say); and, for the student
+training split; the share read right on all five (``all_right``); the same clips read by the
+second reader (``qc.second_reader``, written apart from the analyzer: per attribute and all
+five) and how often the two readers read the same five words (``readers_agree``): for the draws
+rows, which the analyzer selected, the second reader's figure is the independent one; the
+motion's confusion (``motion_confusion``: per asked motion, what the analyzer read, so that the
+directions a model confuses show: up against down, say); and, for the student
 rows, the share of clips that QC (the post stage's own code: interpolation, H.264, QC) passes.
 Everything goes through the production renderer.
 """
