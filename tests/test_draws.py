@@ -150,7 +150,7 @@ def test_run_records_the_kept_seed_and_the_draws_in_the_job_table_and_sidecar(tm
     rows = "".join(f"{r.key},\"{r.prompt}\",{r.seed}\n" for r in _requests())
     (tmp_path / "b.csv").write_text("id,prompt,seed\n" + rows)
     res = CliRunner().invoke(main, ["run", "b.csv", "--model", "shapes", "--out", "out", "--tier", "fast",
-                                   "--max-attempts", "1"],
+                                   "--max-attempts", "1", "--draws", "4"],
                              catch_exceptions=False)
     assert res.exit_code in (0, 1), res.output
     with Database(url).session() as s:
@@ -162,6 +162,6 @@ def test_run_records_the_kept_seed_and_the_draws_in_the_job_table_and_sidecar(tm
         assert sidecar["seed"] == a.seed and sidecar["draws"] == a.timings["draws"] >= 1
         if a.seed != j.seed:  # the kept clip came from a later draw of the job's own sequence
             drawn_again += 1
-            assert a.seed in [draw_seed(j.seed, k) for k in range(1, 8)] and sidecar["draws"] >= 2
+            assert a.seed in [draw_seed(j.seed, k) for k in range(1, 4)] and 2 <= sidecar["draws"] <= 4
             assert a.timings["draws_extra_s"] > 0
     assert drawn_again >= 1

@@ -51,15 +51,17 @@ def test_the_demo_batch_passes_qc_and_prints_adherence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CLIPMILL_DATABASE_URL", f"sqlite:///{tmp_path / 'clipmill.db'}")
     monkeypatch.delenv("CLIPMILL_MODEL")  # make demo's command as written: the default model
+    monkeypatch.delenv("CLIPMILL_DRAWS")  # and the default draws
     res = CliRunner().invoke(main, ["run", str(REPO / "examples" / "shapes-batch.csv"), "--out", "clipmill-out"],
                              catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert "jobs done 8/8" in res.output and re.search(r"failed\s+0\b", res.output), res.output
-    # the issue's target is 7 of 8; the shipped model delivers 5 (README: QC rejects about a third
-    # of its clips for faint boiling, the teacher's as well), and a clip near the boiling limit can
-    # fall either side from run to run (x264's threaded encode is not bit-exact)
+    # the issue's target is 7 of 8, and the shipped model with its draws and one retry delivers
+    # 7-8 (README, "Draws"); QC still rejects about a fifth of single renders, mostly for faint
+    # boiling, and a clip near the boiling limit can fall either side from run to run (x264's
+    # threaded encode is not bit-exact), so the test allows one clip more than the target
     passed = int(re.search(r"passed\s+(\d+)", res.output)[1])
-    assert passed >= 4, res.output
+    assert passed >= 6, res.output
     assert "adherence (8 clip(s) with prompts in the shapes grammar" in res.output
     share = {k: int(v) for k, v in re.findall(r"(\w+) (\d+)%", res.output.split("  all: ")[1].splitlines()[0])}
     assert set(share) == set(shapes.ATTRIBUTES), res.output
