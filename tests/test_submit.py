@@ -122,7 +122,8 @@ BAD_CASES = [
         ],
     ),
     ("header.csv", "prompt\n", ["header.csv:1: no rows; expected at least one prompt"]),
-    ("notes.txt", "ramen\n", ["notes.txt:1: unknown file type '.txt'; allowed: .csv, .jsonl, .ndjson"]),
+    ("notes.docx", "ramen\n", ["notes.docx:1: unknown file type '.docx'; allowed: .csv, .jsonl, .ndjson, .txt"]),
+    ("long.txt", "ramen, dolly in\n\n" + "word " * 80 + "\n", ["long.txt:3: prompt: 'word word word"]),
     ("long.csv", "prompt\n" + "word " * 80 + "\n", ["long.csv:2: prompt: 'word word word"]),
     ("missing.csv", "id,tier\nr1,fast\n", ["missing.csv:2: prompt: '' is missing; give prompt, or all of subject, action, scene, camera, or use --template"]),
 ]
@@ -153,6 +154,20 @@ def test_truncate_cuts_to_the_limit_and_warns(cli, db, tmp_path):
     with db.engine.connect() as c:
         prompt = c.execute(text("SELECT prompt FROM jobs WHERE batch_id = 'cut'")).scalar_one()
     assert prompt == " ".join(["word"] * 63)
+
+
+def test_a_text_file_is_one_prompt_per_line(cli, db, tmp_path):
+    f = write(tmp_path, "night.txt", "a red circle moves left on a black background, pan right\n\n"
+                                     "  \n红色方形静止不动，米色背景，右摇\n")
+    res = cli("submit", f, "--batch", "night")
+    assert res.exit_code == 0, res.output
+    with db.engine.connect() as c:
+        rows = c.execute(text("SELECT prompt_raw, prompt FROM jobs WHERE batch_id='night' ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [  # blank lines skipped, a line's commas kept, cleaned like any prompt
+        ("a red circle moves left on a black background, pan right",
+         "a red circle moves left on a black background, pan right"),
+        ("红色方形静止不动，米色背景，右摇", "红色方形静止不动, 米色背景, pan right"),
+    ]
 
 
 def test_skip_invalid_submits_valid_rows_and_lists_the_rest(cli, db, tmp_path):

@@ -134,6 +134,9 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
         draws):
     """Submit FILE and render, post-process and QC it in this process.
 
+    FILE is a CSV or JSONL batch, one clip per row, or a .txt file, one prompt per line
+    (README, Prompt batches).
+
     Every option, the device, the model folder and the storage root are checked before the
     job table changes; a bad row leaves it unchanged too. Exits 0 when every job ended passed
     or rejected by QC, 1 when a job failed, 2 on bad input (nothing submitted), 3 when the
@@ -355,7 +358,8 @@ def _adherence(rows: list[dict]) -> None:
 @batch_options
 @submit_options
 def submit_cmd(file, ad_template, opts):
-    """Validate FILE and queue its jobs in the job table, rendering nothing.
+    """Validate FILE (CSV, JSONL, or .txt with one prompt per line) and queue its jobs in the job
+    table, rendering nothing.
 
     All or nothing: a file with a bad row leaves the database unchanged, unless --skip-invalid.
     The options, the model folder and the storage root (--out) are checked first.

@@ -26,7 +26,7 @@ COLUMNS = ("id", "prompt", *ELEMENTS, "negative_prompt", "seed", "tier", "frames
 MAX_SEED = 2**32 - 1
 MIN_FPS, MAX_FPS = 8, 120
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-MAX_ROW_BYTES = 64 * 1024  # one row (a CSV record or a JSONL line) of a batch file, in UTF-8 bytes
+MAX_ROW_BYTES = 64 * 1024  # one row (a CSV record, a JSONL or a text line) of a batch file, in UTF-8 bytes
 
 
 def _too_long(path: Path, line: int, size: int) -> Problem:
@@ -227,6 +227,22 @@ def _read_jsonl(path: Path, text: str) -> Records:
     return columns, records, problems
 
 
+def _read_txt(path: Path, text: str) -> Records:
+    """A plain-text batch: every line that is not blank is one clip's ``prompt``, taken whole
+    (commas included); there is no header and no other column."""
+    records: list[tuple[int, dict]] = []
+    problems: list[Problem] = []
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        size = len(raw.encode("utf-8", "surrogatepass"))
+        if size > MAX_ROW_BYTES:
+            problems.append(_too_long(path, line, size))
+            continue
+        records.append((line, {"prompt": raw}))
+    return ["prompt"], records, problems
+
+
 def _column(name: str) -> str:
     """A column name as matched: NFKC, trimmed, lower case (nothing else is changed)."""
     return unicodedata.normalize("NFKC", name).strip().lower()
@@ -236,18 +252,22 @@ def read_records(path: str | Path) -> Records:
     """The columns, the (line, fields) records, and the lines that could not be read."""
     p = Path(path)
     suffix = p.suffix.lower()
-    if suffix not in (".csv", ".jsonl", ".ndjson"):
-        raise FileProblem(Problem(str(p), 1, None, None, f"unknown file type {suffix or '(none)'!r}; allowed: .csv, .jsonl, .ndjson"))
+    if suffix not in READERS:
+        raise FileProblem(Problem(str(p), 1, None, None,
+                                  f"unknown file type {suffix or '(none)'!r}; allowed: {', '.join(READERS)}"))
     try:
         data = p.read_bytes()
     except FileNotFoundError:
         raise FileProblem(Problem(str(p), 0, None, None, "no such file"))
     except IsADirectoryError:
-        raise FileProblem(Problem(str(p), 0, None, None, "is a folder; give a .csv or .jsonl file"))
+        raise FileProblem(Problem(str(p), 0, None, None, "is a folder; give a .csv, .jsonl or .txt file"))
     except OSError as e:
         raise FileProblem(Problem(str(p), 0, None, None, f"cannot be read ({e.strerror or e})"))
     text = _decode(p, data)
-    return _read_csv(p, text) if suffix == ".csv" else _read_jsonl(p, text)
+    return READERS[suffix](p, text)
+
+
+READERS = {".csv": _read_csv, ".jsonl": _read_jsonl, ".ndjson": _read_jsonl, ".txt": _read_txt}  # by file suffix
 
 
 # -- templates ----------------------------------------------------------------------------------
