@@ -26,6 +26,7 @@ Everything goes through the production renderer.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from clipmill.jobs.bench.failures import post, reason_kind
 from clipmill.jobs.bench.ladder import world_requests
@@ -119,7 +120,7 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
 
 def _second(reads: list[dict], specs: list[shapes.Spec]) -> dict[str, float]:
     """Per attribute and over all five ('all'), the share of clips the second reader reads as asked."""
-    out = {k: sum(r[k] == getattr(s, k) for r, s in zip(reads, specs)) / len(specs) for k in shapes.ATTRIBUTES}
+    out = adh.adherence([SimpleNamespace(**r) for r in reads], specs)  # its words, read as an Analysis's
     out["all"] = sum(r == s.as_dict() for r, s in zip(reads, specs)) / len(specs)
     return out
 
