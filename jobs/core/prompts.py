@@ -200,10 +200,9 @@ def _read_csv(path: Path, text: str) -> Records:
     return header, records, problems
 
 
-def _read_jsonl(path: Path, text: str) -> Records:
-    records: list[tuple[int, dict]] = []
-    columns: list[str] = []
-    problems: list[Problem] = []
+def _lines(path: Path, text: str, problems: list[Problem]):
+    """(line number, text) of every line that is not blank; a line over MAX_ROW_BYTES is
+    reported in ``problems`` instead."""
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
@@ -211,6 +210,14 @@ def _read_jsonl(path: Path, text: str) -> Records:
         if size > MAX_ROW_BYTES:
             problems.append(_too_long(path, line, size))
             continue
+        yield line, raw
+
+
+def _read_jsonl(path: Path, text: str) -> Records:
+    records: list[tuple[int, dict]] = []
+    columns: list[str] = []
+    problems: list[Problem] = []
+    for line, raw in _lines(path, text, problems):
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -230,16 +237,8 @@ def _read_jsonl(path: Path, text: str) -> Records:
 def _read_txt(path: Path, text: str) -> Records:
     """A plain-text batch: every line that is not blank is one clip's ``prompt``, taken whole
     (commas included); there is no header and no other column."""
-    records: list[tuple[int, dict]] = []
     problems: list[Problem] = []
-    for line, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        size = len(raw.encode("utf-8", "surrogatepass"))
-        if size > MAX_ROW_BYTES:
-            problems.append(_too_long(path, line, size))
-            continue
-        records.append((line, {"prompt": raw}))
+    records = [(line, {"prompt": raw}) for line, raw in _lines(path, text, problems)]
     return ["prompt"], records, problems
 
 
