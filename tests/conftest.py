@@ -66,11 +66,6 @@ def tiny_cache(tmp_path_factory):
     # about the job table and the stages, and tiny's frames and sizes are what they check;
     # the built-in shapes model (the users' default) has tests of its own (test_shapes_model, test_train)
     os.environ["CLIPMILL_MODEL"] = "tiny"
-    # a shapes-world clip read as other than its prompt asks is rendered again, up to 8 times by
-    # default (jobs.runner.draws); tests that render shapes batches for the job table, the ads or
-    # the farm take at most 2, and the draws' own tests (test_draws) and the demo batch
-    # (test_shapes_model) ask for the default or their own count
-    os.environ["CLIPMILL_DRAWS"] = "2"
     return cache
 
 

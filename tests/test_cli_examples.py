@@ -177,7 +177,7 @@ def test_help_examples_run_as_written(tmp_path, monkeypatch, redis_url, s3_endpo
     shutil.copytree(REPO / "examples", work / "examples")
     db_url = f"sqlite:///{work / 'clipmill.db'}"
     monkeypatch.chdir(work)
-    for k in [k for k in os.environ if k.startswith("CLIPMILL_") and k not in ("CLIPMILL_CACHE", "CLIPMILL_DRAWS")]:
+    for k in [k for k in os.environ if k.startswith("CLIPMILL_") and k != "CLIPMILL_CACHE"]:
         monkeypatch.delenv(k)
     monkeypatch.setenv("CLIPMILL_DATABASE_URL", db_url)
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", OMP_NUM_THREADS="1")
