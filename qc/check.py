@@ -40,7 +40,8 @@ class QCConfig:
     flicker_pairs: int = 3  # ... alternating at least this many times in a row
     # frozen stretches inside a moving clip
     moving_flow: float = 0.2  # the clip moves if its 75th-percentile flow is above this
-    frozen_diff: float = 0.1  # a pair this close is a duplicate frame ...
+    frozen_diff: float = 0.1  # a pair this close is a duplicate frame (mean |difference|, luma) ...
+    frozen_change: float = 3.0  # ... unless some cell changed more than this (a small slow object at 60 fps)
     frozen_flow_ratio: float = 0.1  # ... as is one whose flow is below this share of that percentile
     frozen_seconds: float = 0.2  # a frozen stretch at least this long is a defect
     # progressive over-exposure or colour blow-out: the same content (motion-compensated) gets
@@ -281,7 +282,8 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     # 5. frozen stretch inside a moving clip
     med_flow = float(np.percentile(s.flow, 75))
     if med_flow > cfg.moving_flow:
-        still = (s.diff < cfg.frozen_diff) | (s.flow < cfg.frozen_flow_ratio * med_flow)
+        duplicate = (s.diff < cfg.frozen_diff) & (s.change < cfg.frozen_change)
+        still = duplicate | (s.flow < cfg.frozen_flow_ratio * med_flow)
         still &= ~(flat_frames[:-1] | flat_frames[1:])
         min_pairs = max(2, int(round(cfg.frozen_seconds * fps)))
         frozen = [(a, b + 1) for a, b in runs(still) if b - a + 1 >= min_pairs]

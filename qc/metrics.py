@@ -48,6 +48,7 @@ class Series:
     saturation: np.ndarray  # mean HSV saturation 0..1
     sharpness: np.ndarray  # sharpness of the same content relative to frame 0 (see sharpness_trend)
     diff: np.ndarray  # mean |frame[i+1] - frame[i]|, no compensation
+    change: np.ndarray  # the same per cell of a GRID x GRID grid, largest colour channel, in the cell that changed most
     flow: np.ndarray  # mean flow magnitude, working-size pixels per frame
     residual: np.ndarray  # mean |frame[i] - warp(frame[i+1])| inside the border
     ssim: np.ndarray  # SSIM of frame[i] and warp(frame[i+1])
@@ -222,7 +223,7 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
     saturation = np.array([x[..., 1].mean() / 255.0 for x in hsv])
 
     m = max(n - 1, 0)
-    diff, flow_m, residual, ssim = (np.zeros(m) for _ in range(4))
+    diff, change, flow_m, residual, ssim = (np.zeros(m) for _ in range(5))
     hp_ratio, luma_drift, sat_drift, flow_dx, flow_dy = (np.zeros(m) for _ in range(5))
     zoom = np.ones(m)
     cells = np.zeros((m, GRID, GRID), np.float32)
@@ -238,6 +239,10 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
             wb = warp(b, fl)
             r = np.abs(a - wb)[inner]
             diff[i] = np.abs(b - a)[inner].mean()
+            # where the frame changed most: a small, slow or iso-luminant object changes the mean
+            # difference by a hundredth of a luma level at 60 fps, but its own cells by several
+            dc = np.abs(small[i + 1][inner].astype(np.float32) - small[i][inner]).max(axis=-1)
+            change[i] = cv2.resize(dc, (GRID, GRID), interpolation=cv2.INTER_AREA).max()
             flow_m[i] = np.sqrt((fl[inner] ** 2).sum(axis=-1)).mean()
             # content at x in frame i is at x + flow in frame i+1
             sub = fl[inner][::4, ::4]
@@ -263,7 +268,7 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
     sharpness = sharpness_trend(frames, flow_dx, flow_dy, zoom, scale)
     boil, boil_frames = (boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner, small) if n > 1
                          else (np.zeros(0), np.zeros(0, int)))
-    return Series(scale, luma, spread, clipped, saturation, sharpness, diff, flow_m, residual, ssim,
+    return Series(scale, luma, spread, clipped, saturation, sharpness, diff, change, flow_m, residual, ssim,
                   cells, hp_ratio, luma_drift, sat_drift, boil, boil_frames)
 
 
