@@ -41,7 +41,8 @@ class QCConfig:
     # frozen stretches inside a moving clip
     moving_flow: float = 0.2  # the clip moves if its 75th-percentile flow is above this
     frozen_diff: float = 0.1  # a pair this close is a duplicate frame (mean |difference|, luma) ...
-    frozen_change: float = 3.0  # ... unless some cell changed more than this (a small slow object at 60 fps)
+    frozen_change: float = 3.0  # ... unless some cell changed more than this (a small slow object at 60 fps);
+    # a clip whose flow reads still moves when half its pairs change a cell this much
     frozen_flow_ratio: float = 0.1  # ... as is one whose flow is below this share of that percentile
     frozen_seconds: float = 0.2  # a frozen stretch at least this long is a defect
     # progressive over-exposure or colour blow-out: the same content (motion-compensated) gets
@@ -279,20 +280,26 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
             f"{_cmp(np.abs(d).max(), '>', cfg.flicker_luma, 1)}, alternating)"
         )
 
-    # 5. frozen stretch inside a moving clip
+    # 5. frozen stretch inside a moving clip. A clip moves when its flow says so, or when half its
+    # pairs change some cell by frozen_change or more (an object the luma flow does not follow:
+    # small, slow, about its background's luma); in the second case only duplicates count
     med_flow = float(np.percentile(s.flow, 75))
+    med_change = float(np.median(s.change)) if len(s.change) else 0.0
+    duplicate = (s.diff < cfg.frozen_diff) & (s.change < cfg.frozen_change)
+    still = None
     if med_flow > cfg.moving_flow:
-        duplicate = (s.diff < cfg.frozen_diff) & (s.change < cfg.frozen_change)
         still = duplicate | (s.flow < cfg.frozen_flow_ratio * med_flow)
+        moving = f"in a clip moving {med_flow:.2f} px/frame"
+    elif med_change >= cfg.frozen_change:
+        still = duplicate
+        moving = f"in a clip whose frames change by {med_change:.1f} in places, moving {med_flow:.2f} px/frame"
+    if still is not None:
         still &= ~(flat_frames[:-1] | flat_frames[1:])
         min_pairs = max(2, int(round(cfg.frozen_seconds * fps)))
         frozen = [(a, b + 1) for a, b in runs(still) if b - a + 1 >= min_pairs]
         if frozen:
             longest = max(b - a + 1 for a, b in frozen)
-            reasons.append(
-                f"frozen: frames {_ranges(frozen)} ({longest} frames, {longest / fps:.2f} s, "
-                f"in a clip moving {med_flow:.2f} px/frame)"
-            )
+            reasons.append(f"frozen: frames {_ranges(frozen)} ({longest} frames, {longest / fps:.2f} s, {moving})")
 
     # 6. progressive over-exposure or colour blow-out
     c0, c1 = _quarters(s.clipped)
