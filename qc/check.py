@@ -31,8 +31,8 @@ class QCConfig:
     min_pair_ssim: float = 0.5  # any compensated pair below this is broken
     # block corruption: a grid cell whose residual jumps above its own temporal context
     block_jump: float = 1.8  # (region - context) / (context + block_floor) above this, at onset and at end
-    block_floor: float = 4.0
-    block_min: float = 8.0  # and the region's residual itself at least this
+    block_floor: float = 2.0
+    block_min: float = 5.0  # and the region's residual itself at least this
     block_seconds: float = 1.0  # damage lasting up to this long is paired (onset, then end)
     block_concentration: float = 4.0  # a spike whose worst region is this many times the frame's is local
     # flicker: mean luma alternating up and down
