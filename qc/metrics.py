@@ -35,6 +35,11 @@ BOIL_SAMPLES = 12  # frames sampled per clip
 BOIL_COLOUR_BLUR = 3.0  # px (Gaussian sigma) before the colour edges' gradient
 BOIL_FLOW_PRESET = "fast"  # DIS preset of the boiling test's flow
 BOIL_VALID_SHARE = 0.7  # a window is measured when at least this share of it is not a flow failure
+# Under a fast camera move the pair is taken closer than boil_seconds apart, so that the content
+# shifts at most this far (working-size px) between its two frames: DIS loses fine texture over
+# longer shifts, and that residual read as boiling (pans over brick from 7 px/frame at 24 fps,
+# over most photographs from 10-12: 13 of 135 fast-pan clips rejected, twenty-third session)
+BOIL_MAX_SHIFT = 16.0
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Series:
     sat_drift: np.ndarray  # the same for HSV saturation (0..1)
     boil: np.ndarray  # per sampled frame: band-pass residual energy above the noise floor in its most boiling area
     boil_frames: np.ndarray  # the sampled frames (boil[j] is measured on frame boil_frames[j])
+    boil_gap: np.ndarray  # frames between boil_frames[j] and each of the two it is compared with
 
     def as_lists(self) -> dict[str, list[float]]:
         return {k: [round(float(x), 4) for x in v] for k, v in self.__dict__.items()
@@ -171,13 +177,41 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     return np.where(share > BOIL_VALID_SHARE, excess, np.nan)
 
 
+def _texture_speed(a: np.ndarray, fl: np.ndarray, inner: tuple) -> float:
+    """How far the texture of ``a`` (float32 gray) moves under the flow ``fl``, px: the flow's
+    component along the image gradient (what the pixels show of the motion), its RMS weighted by
+    the gradient's energy, times sqrt(2) so that a texture of every orientation reads its full
+    speed. Flat regions and the free component along stripes or edges, where the flow is noise
+    (on the shapes world's stripes it read 2-8 px/frame against a true 0.2), weigh nothing."""
+    g = cv2.GaussianBlur(a, (0, 0), 1.0)
+    gx, gy = cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3)[inner], cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3)[inner]
+    along = fl[inner][..., 0] * gx + fl[inner][..., 1] * gy
+    return float(np.sqrt(2.0 * (along * along).sum() / ((gx * gx + gy * gy).sum() + 1e-6)))
+
+
+def boil_gaps(idx: np.ndarray, step: int, speed: np.ndarray | None) -> np.ndarray:
+    """Per sampled frame, how far apart its pairs are: ``step``, or less where the view moves
+    faster than BOIL_MAX_SHIFT / step px a frame (``speed``: the texture's speed in each pair,
+    :func:`_texture_speed`, working-size px; the fastest pair within ``step`` of the frame counts)."""
+    gaps = np.full(len(idx), step, int)
+    if speed is None or len(speed) == 0:
+        return gaps
+    for j, i in enumerate(idx):
+        v = float(np.max(speed[max(0, i - step):i + step]))
+        if v * step > BOIL_MAX_SHIFT:
+            gaps[j] = max(1, int(BOIL_MAX_SHIFT // v))
+    return gaps
+
+
 def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
-                   rgb: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   rgb: np.ndarray | None = None, speed: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Boiling score of up to BOIL_SAMPLES frames: each frame against the frames ``step`` before
     and after it (the smaller of the two maps per pixel, so a region occluded on one side is seen
-    on the other), then the value exceeded by the ``area`` share of the frame's inner part.
+    on the other), then the value exceeded by the ``area`` share of the frame's inner part. Under
+    a fast move (``speed``, see :func:`boil_gaps`) the two frames are nearer.
 
-    Returns (scores, frame indices)."""
+    Returns (scores, frame indices, gaps)."""
     n = len(gray)
     step = max(1, min(step, (n - 1) // 2)) if n > 2 else 1
     both = n > 2 * step
@@ -185,28 +219,29 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
     if len(idx) > BOIL_SAMPLES:
         idx = idx[np.linspace(0, len(idx) - 1, BOIL_SAMPLES).round().astype(int)]
     scores = np.zeros(len(idx))
+    gaps = boil_gaps(idx, step, speed)
 
     def run(part: np.ndarray) -> None:
         flow = FlowEstimator(BOIL_FLOW_PRESET)
         for j in part:
-            i = idx[j]
+            i, k = idx[j], gaps[j]
             # colour edges of both frames of a pair: an object the luma flow misses leaves its
             # residual where it is in either (frame i's alone: ground-truth shapes clips at 30 fps
             # 2/60 rejected instead of 0/60; held-out boil set 45 caught instead of 42). The other
             # frame's are warped with the flow (until the fifteenth session they were not, so under
             # a camera move they excused the wrong places: README, Boiling)
-            edges = None if rgb is None else {k: colour_edges(rgb[k]) for k in (i, i + step, i - step) if 0 <= k < n}
-            pair = (lambda k: None) if edges is None else (lambda k: (edges[i], edges[k]))
-            m = boiling_map(gray[i], gray[i + step], flow, pair(i + step))
+            edges = None if rgb is None else {o: colour_edges(rgb[o]) for o in (i, i + k, i - k) if 0 <= o < n}
+            pair = (lambda o: None) if edges is None else (lambda o: (edges[i], edges[o]))
+            m = boiling_map(gray[i], gray[i + k], flow, pair(i + k))
             if both:  # a window left out on one side (a flow failure, an occlusion) is read on the other
-                m = np.fmin(m, boiling_map(gray[i], gray[i - step], flow, pair(i - step)))
+                m = np.fmin(m, boiling_map(gray[i], gray[i - k], flow, pair(i - k)))
             m = np.nan_to_num(m, nan=0.0)
             scores[j] = np.quantile(m[inner], 1.0 - area)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         for f in [pool.submit(run, part) for part in np.array_split(np.arange(len(idx)), 2)]:
             f.result()
-    return scores, idx
+    return scores, idx, gaps
 
 
 def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_seconds: float = 0.125,
@@ -225,6 +260,7 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
     m = max(n - 1, 0)
     diff, change, flow_m, residual, ssim = (np.zeros(m) for _ in range(5))
     hp_ratio, luma_drift, sat_drift, flow_dx, flow_dy = (np.zeros(m) for _ in range(5))
+    texture_speed = np.zeros(m)
     zoom = np.ones(m)
     cells = np.zeros((m, GRID, GRID), np.float32)
     sat = [x[..., 1].astype(np.float32) / 255.0 for x in hsv]
@@ -244,6 +280,7 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
             dc = np.abs(small[i + 1][inner].astype(np.float32) - small[i][inner]).max(axis=-1)
             change[i] = cv2.resize(dc, (GRID, GRID), interpolation=cv2.INTER_AREA).max()
             flow_m[i] = np.sqrt((fl[inner] ** 2).sum(axis=-1)).mean()
+            texture_speed[i] = _texture_speed(a, fl, inner)
             # content at x in frame i is at x + flow in frame i+1
             sub = fl[inner][::4, ::4]
             flow_dx[i], flow_dy[i] = np.median(sub[..., 0]), np.median(sub[..., 1])
@@ -266,10 +303,11 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
         for f in [pool.submit(pairs, 0, half), pool.submit(pairs, half, m)]:
             f.result()
     sharpness = sharpness_trend(frames, flow_dx, flow_dy, zoom, scale)
-    boil, boil_frames = (boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner, small) if n > 1
-                         else (np.zeros(0), np.zeros(0, int)))
+    boil, boil_frames, boil_gap = (
+        boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner, small, texture_speed) if n > 1
+        else (np.zeros(0), np.zeros(0, int), np.zeros(0, int)))
     return Series(scale, luma, spread, clipped, saturation, sharpness, diff, change, flow_m, residual, ssim,
-                  cells, hp_ratio, luma_drift, sat_drift, boil, boil_frames)
+                  cells, hp_ratio, luma_drift, sat_drift, boil, boil_frames, boil_gap)
 
 
 def runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -79,3 +79,36 @@ def test_the_other_frames_colour_edges_are_warped_onto_the_first():
     assert np.nanmean(none[patch]) > QCConfig().boiling_excess
     assert np.nanmean(warped[patch]) < np.nanmean(none[patch]) - 10
     assert np.allclose(warped[own_place], none[own_place], equal_nan=True)
+
+
+def _fast_pan(px_per_frame: int, n: int = 24, size: int = 256) -> np.ndarray:
+    """Gravel (fine texture everywhere) magnified 1.5x, the view sliding ``px_per_frame`` a frame."""
+    import cv2
+
+    img = cv2.resize(photo("gravel"), None, fx=1.5, fy=1.5, interpolation=cv2.INTER_LINEAR)
+    return np.stack([img[100:100 + size, 10 + px_per_frame * i:10 + px_per_frame * i + size] for i in range(n)])
+
+
+def test_a_fast_pan_over_fine_texture_is_not_boiling():
+    """At 10 px/frame the boiling pair (3 frames apart at 24 fps) would be 30 px apart, further
+    than the flow holds fine texture: its residual read 7.0 against the limit 2.6. Under a fast
+    move the pair is taken nearer (BOIL_MAX_SHIFT), and fresh band-pass texture in a region of
+    the same pan is still caught."""
+    from clipmill.qc.metrics import BOIL_MAX_SHIFT, measure
+
+    frames = _fast_pan(10)
+    s = measure(frames, fps=24)
+    assert s.boil_gap.tolist() == [1] * len(s.boil_gap)  # 10 px a frame: 16 // 10
+    assert BOIL_MAX_SHIFT == 16.0
+    res = check_frames(frames, 24)
+    assert res.verdict == "pass", res.reasons
+    assert measure(_fast_pan(4), fps=24).boil_gap.tolist() == [3] * 12  # slow enough: 0.125 s apart
+
+    rng = np.random.default_rng(5)
+    boiling = frames.astype(np.float32)
+    yy, xx = np.mgrid[0:256, 0:256]
+    region = (((yy - 120) / 60) ** 2 + ((xx - 130) / 70) ** 2 < 1).astype(np.float32)
+    for i in range(len(boiling)):
+        boiling[i] += (6.0 * region * bandpass_noise((256, 256), 1.5, rng))[..., None]
+    res = check_frames(np.clip(boiling, 0, 255).astype(np.uint8), 24)
+    assert res.verdict == "reject" and res.reasons[0].startswith("boiling:"), res.reasons
