@@ -126,3 +126,23 @@ def test_qc_cli_explain_and_contact_sheet(tmp_path):
     res = CliRunner().invoke(main, ["qc", str(tmp_path / "c.mp4"), "--json", "--explain"])
     rec = json.loads(res.output)
     assert len(rec["series"]["ssim"]) == 47 and len(rec["series"]["luma"]) == 48
+
+
+def test_sharpness_follows_a_fast_pan_and_still_sees_blur():
+    """At 14 px/frame the window the sharpness is compared in moves 84 px between the 9 even
+    samples, past its 64 px margin: it compared other content and read `camera` down to 62%
+    (the limit is 60%). Samples are added where the pan outruns the window; a clip that really
+    goes soft under the same pan is still rejected for blur."""
+    import cv2
+
+    from clipmill.qc.metrics import measure
+
+    p0 = photo("camera")
+    f = max(940 / p0.shape[1], 460 / p0.shape[0])
+    img = cv2.resize(p0, None, fx=f, fy=f, interpolation=cv2.INTER_LINEAR)
+    frames = np.stack([img[200:456, 10 + 14 * i:10 + 14 * i + 256] for i in range(48)])
+    assert measure(frames, fps=24).sharpness.min() > 0.9
+    assert check_frames(frames, 24).verdict == "pass"
+    soft = np.stack([cv2.GaussianBlur(fr, (0, 0), 0.2 + 3.0 * i / 47) for i, fr in enumerate(frames)])
+    res = check_frames(soft, 24)
+    assert res.verdict == "reject" and any(r.startswith("blur:") for r in res.reasons), res.reasons
