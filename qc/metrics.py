@@ -191,8 +191,9 @@ def _texture_speed(a: np.ndarray, fl: np.ndarray, inner: tuple) -> float:
     """How far the texture of ``a`` (float32 gray) moves under the flow ``fl``, px: the flow's
     component along the image gradient (what the pixels show of the motion), its RMS weighted by
     the gradient's energy, times sqrt(2) so that a texture of every orientation reads its full
-    speed. Flat regions and the free component along stripes or edges, where the flow is noise
-    (on the shapes world's stripes it read 2-8 px/frame against a true 0.2), weigh nothing."""
+    speed. Flat regions and the free component along stripes or edges, where the flow is noise,
+    weigh nothing (on a shapes-world pan over vertical stripes moving 0.2 px/frame the mean
+    flow read up to 14 px/frame and its vertical median up to 8)."""
     g = cv2.GaussianBlur(a, (0, 0), 1.0)
     gx, gy = cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3)[inner], cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3)[inner]
     along = fl[inner][..., 0] * gx + fl[inner][..., 1] * gy
