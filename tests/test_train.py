@@ -36,6 +36,7 @@ TINY = Recipe(
     text=_cfg(16, 32, 3e-3),
     teacher=_cfg(12, 2, 2e-2, log_every=4),  # lr warms up over 200 steps: 12 steps reach 1.2e-3
     student=_cfg(8, 2, 3e-3, log_every=4),
+    decoder=_cfg(16, 16, 3e-3),  # 2 whole clips a step; lr warms up over 50 steps
     vae_channels=(16, 16, 16),
     denoiser=DenoiserConfig(unet=UNetSpec(channels=(16, 32, 32), heads=1, motion_heads=1), pool_clips=24),
     lcm=distill.LCMConfig(solver_steps=10),  # a 10-point grid: the probe's teacher solutions stay cheap
@@ -66,8 +67,8 @@ def _mean(xs):
 @pytest.mark.slow
 def test_every_stage_learns(trained):
     root, results, lines = trained
-    assert list(results) == ["vae", "text", "teacher", "student"]
-    for stage in ("vae", "text"):
+    assert list(results) == ["vae", "text", "teacher", "student", "decoder"]
+    for stage in ("vae", "text", "decoder"):
         losses = results[stage].losses
         k = len(losses) // 4
         assert _mean(losses[-k:]) < 0.95 * _mean(losses[:k]), (stage, losses)
@@ -77,7 +78,7 @@ def test_every_stage_learns(trained):
         assert steps[0] == 0 and steps[-1] == getattr(TINY, stage).steps
         assert probe[steps[-1]] < 0.97 * probe[0], (stage, probe)
     assert any(line.startswith("[student] step 8/8") for line in lines)  # progress with speed and eta
-    for stage in ("vae", "text", "teacher", "student"):
+    for stage in ("vae", "text", "teacher", "student", "decoder"):
         assert (root / stage / "done").exists() and (root / stage / "state.pt").exists()
     assert any(line.startswith("[pool] encoding 24 train clips") for line in lines)  # encoded once, for both
     assert sum(line.startswith("[pool] encoding") for line in lines) == 1
@@ -114,6 +115,52 @@ def test_the_student_is_an_lcm_distilled_from_the_teacher(trained):
     assert any(not torch.equal(student[k], teacher[k]) for k in student)
     done = json.loads((root / "student" / "done").read_text())
     assert done["lcm"] == asdict(TINY.lcm)
+
+
+@pytest.mark.slow
+def test_the_decoder_stage_tunes_the_decoder_and_leaves_the_encoder(trained):
+    """The latents the denoisers were trained on stay what they were: only the decoder (and
+    its post-quantisation conv) changes."""
+    from safetensors.torch import load_file
+
+    root, _, _ = trained
+    before = load_file(root / "vae" / "model" / "diffusion_pytorch_model.safetensors")
+    after = load_file(root / "decoder" / "model" / "diffusion_pytorch_model.safetensors")
+    assert before.keys() == after.keys()
+    tuned = {k for k in before if not torch.equal(before[k], after[k])}
+    assert tuned and all(k.startswith(("decoder.", "post_quant_conv.")) for k in tuned)
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith(("encoder.", "quant_conv.")))
+
+
+def test_the_decoder_loss_counts_an_error_that_changes_from_frame_to_frame():
+    """The same reconstruction error in every frame costs less than errors of the same size
+    that change between frames (what QC reads as boiling)."""
+    from clipmill.pipeline.train.stages import DecoderConfig
+
+    cfg = DecoderConfig(shape_gain=0.0, temporal=1.0)
+    x = torch.zeros(1, 4, 3, 8, 8)
+    alpha = torch.zeros(1, 4, 8, 8)
+
+    class Fixed(torch.nn.Module):  # "decodes" every frame to x + its own error pattern
+        def __init__(self, errors):
+            super().__init__()
+            self.errors = errors
+
+        def encode(self, frames):
+            return type("E", (), {"latent_dist": type("D", (), {"mode": lambda _: frames})()})()
+
+        def decode(self, z):
+            return type("O", (), {"sample": z + self.errors})()
+
+    from clipmill.pipeline.train.stages import decoder_loss
+
+    same = torch.full((4, 3, 8, 8), 0.1)
+    flips = same * torch.tensor([1.0, -1.0, 1.0, -1.0]).view(4, 1, 1, 1)
+    steady, _ = decoder_loss(Fixed(same), x, alpha, cfg)
+    boiling, _ = decoder_loss(Fixed(flips), x, alpha, cfg)
+    plain, _ = decoder_loss(Fixed(flips), x, alpha, DecoderConfig(shape_gain=0.0, temporal=0.0))
+    assert steady.item() == pytest.approx(plain.item())  # same per-frame error, no temporal cost
+    assert boiling.item() == pytest.approx(plain.item() + 0.2**2)
 
 
 def test_the_consistency_output_is_what_lcm_scheduler_steps_to():
@@ -254,6 +301,13 @@ def test_export_loads_as_the_builtin_model_and_renders_the_fast_tier(trained, tm
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float16  # stored half, rendered float32
     meta = json.loads((dest / "clipmill.json").read_text())
     assert meta["tiers"] == {"fast": 6, "quality": 8} and meta["training"]["stages"]["student"]["step"] == 8
+    assert meta["training"]["stages"]["decoder"]["step"] == TINY.decoder.steps
+    from safetensors.torch import load_file
+
+    tuned = load_file(root / "decoder" / "model" / "diffusion_pytorch_model.safetensors")
+    for folder in (dest, dest / "teacher"):  # both folders decode with the fine-tuned decoder
+        got = load_file(folder / "vae" / "diffusion_pytorch_model.safetensors")
+        assert got.keys() == tuned.keys() and all(torch.equal(got[k], tuned[k]) for k in tuned)
     assert (meta["world"], meta["teacher"], meta["teacher_guidance"]) == ("shapes", "teacher", 3.0)
     with safe_open(dest / "teacher" / "unet" / "diffusion_pytorch_model.safetensors", "pt") as f:
         assert f.get_tensor(next(iter(f.keys()))).dtype == torch.float16
@@ -288,7 +342,7 @@ def test_the_student_can_be_distilled_again_from_a_shipped_teacher(trained, tmp_
     again = tmp_path / "again"
     lines: list[str] = []
     seed_from_teacher(first / "teacher", again, TINY, lines.append)
-    assert all((again / s / "done").exists() for s in ("vae", "text", "teacher"))
+    assert all((again / s / "done").exists() for s in ("vae", "text", "teacher", "decoder"))  # its decoder was tuned
     assert json.loads((again / "teacher" / "done").read_text())["seeded_from"] == str(first / "teacher")
     results = run_all(again, TINY, clean_caption, lines.append, ("student",))
     assert list(results) == ["student"] and (again / "student" / "done").exists()

@@ -10,7 +10,7 @@ import click
 
 from clipmill.jobs.cli.common import BadInput, default_device, domain_errors
 
-STAGES = ("vae", "text", "teacher", "student")
+STAGES = ("vae", "text", "teacher", "student", "decoder")
 
 
 def default_root(recipe: str) -> Path:
@@ -47,13 +47,14 @@ def clean_caption(raw: str) -> str:
 @click.option("--from-teacher", default=None, metavar="DIR|shapes",
               help="Seed an empty --ckpt from an exported model's teacher/ folder ('shapes': the built-in "
                    "model's) and train the rest: the teacher's remaining steps if it has run fewer than the recipe's, "
-                   "then the student.")
+                   "then the student, and the decoder unless the folder's was fine-tuned already.")
 @click.option("--export-teacher", is_flag=True,
               help="Only write OUT/teacher from --ckpt's teacher (finished, or its last checkpoint's EMA, marked "
                    "unfinished so that --from-teacher resumes it) and exit.")
 def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, from_teacher, export_teacher):
     """Train the built-in 'shapes' model: autoencoder, text encoder, teacher, then the LCM
-    student distilled for the 6-step fast and 8-step quality tiers; export it into the package.
+    student distilled for the 6-step fast and 8-step quality tiers, then the autoencoder's
+    decoder fine-tuned on whole clips (encoder frozen); export it into the package.
 
     Each stage prints its progress and keeps a checkpoint under --ckpt; a killed run resumes
     from there when the same command is run again, and finished stages are skipped.
@@ -99,7 +100,7 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
                                          "steps than the recipe's) and the student are trained", param_hint="--stages")
             teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
             seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
-            names = ("teacher", "student")  # a finished teacher's stage is skipped
+            names = ("teacher", "student", "decoder")  # finished stages are skipped
         run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names, dev)
         if not no_export and "student" in names:
             export_model(root, dest)

@@ -4,7 +4,8 @@
 AnimateDiff folder with an LCMScheduler), stores its UNet in float16 (the largest part; the VAE
 and text encoder stay float32), adds the undistilled teacher it was distilled from as a complete
 folder of its own under ``teacher/`` (its UNet float16 too: ``clipmill bench``'s row 0, and what
-``clipmill train-model --from-teacher`` distils again from), adds ``clipmill.json`` (the model's defaults, the
+``clipmill train-model --from-teacher`` distils again from), uses the ``decoder`` stage's VAE (the same
+encoder, its decoder fine-tuned on whole clips) in both folders when that stage has run, adds ``clipmill.json`` (the model's defaults, the
 world it draws, and what each training stage reported) and replaces ``dest`` atomically. The renderer loads it in float32
 through ``from_pretrained`` like any user's folder (``pipeline.models``).
 """
@@ -43,7 +44,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     folder would exceed ``max_bytes``; ``dest`` is left as it was in both cases.
     """
     import torch
-    from diffusers import AnimateDiffPipeline
+    from diffusers import AnimateDiffPipeline, AutoencoderKL
 
     ckpt_dir, dest = Path(ckpt_dir), Path(dest)
     src = ckpt_dir / "student" / "pipeline"
@@ -54,12 +55,16 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     pipe.unet.to(torch.float16)
     teacher = AnimateDiffPipeline.from_pretrained(ckpt_dir / "teacher" / "pipeline", dtype=torch.float32)
     teacher.unet.to(torch.float16)
+    if (ckpt_dir / "decoder" / "done").exists():  # the fine-tuned decoder (same encoder) serves both folders
+        vae = AutoencoderKL.from_pretrained(ckpt_dir / "decoder" / "model")
+        pipe.register_modules(vae=vae)
+        teacher.register_modules(vae=vae)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         teacher.save_pretrained(tmp / TEACHER, safe_serialization=True)
-        stages = {stage: _stage_info(ckpt_dir, stage) for stage in ("vae", "text", "teacher", "student")}
+        stages = {stage: _stage_info(ckpt_dir, stage) for stage in ("vae", "text", "teacher", "student", "decoder")}
         recipe = ckpt_dir / "recipe.json"
         recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
         guidance = (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance)
@@ -92,7 +97,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
                             noise_shared=float((stages["teacher"] or {}).get("noise_shared", 0.0)),
                             **({"frame_markers": meta["frame_markers"]} if "frame_markers" in meta else {}),
                             training={"recipe": recipe_d or None,
-                                      "stages": {k: stages[k] for k in ("vae", "text", "teacher")}})
+                                      "stages": {k: stages[k] for k in ("vae", "text", "teacher", "decoder")}})
         (tmp / TEACHER / "clipmill.json").write_text(json.dumps(teacher_meta, indent=1, ensure_ascii=False))
         size = folder_bytes(tmp)
         if size > max_bytes:

@@ -1,4 +1,5 @@
-"""The whole training of the shapes model, in order: ``vae``, ``text``, ``teacher``, ``student``.
+"""The whole training of the shapes model, in order: ``vae``, ``text``, ``teacher``, ``student``,
+``decoder`` (the VAE's decoder fine-tuned on whole clips, its encoder frozen).
 
 A :class:`Recipe` is every stage's schedule and the networks' sizes. ``run_all`` runs the stages
 one after another under one checkpoint root; each resumes from its own checkpoint and a finished
@@ -20,26 +21,29 @@ from safetensors.torch import load_file
 from . import nets
 from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
-from .stages import (DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _mark_done, export_pipeline,
-                     save_checkpoint, train_teacher, train_text, train_vae)
+from .stages import (DecoderConfig, DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _mark_done,
+                     export_pipeline, save_checkpoint, train_decoder, train_teacher, train_text, train_vae)
 
-STAGE_ORDER = ("vae", "text", "teacher", "student")
+STAGE_ORDER = ("vae", "text", "teacher", "student", "decoder")
 
 
 @dataclass(frozen=True)
 class Recipe:
     """Stage schedules and network sizes (the sizes themselves live in ``nets``). ``seed`` seeds
     every stage. ``denoiser`` is the teacher's UNet, loss and latent pool (the student shares the
-    pool); ``lcm`` the distillation's settings."""
+    pool); ``lcm`` the distillation's settings; ``decoder`` and ``decoder_loss`` the decoder's
+    fine-tuning."""
 
     name: str
     vae: StageConfig
     text: StageConfig
     teacher: StageConfig
     student: StageConfig
+    decoder: StageConfig
     vae_channels: tuple[int, int, int] = nets.VAE_CHANNELS
     denoiser: DenoiserConfig = field(default_factory=DenoiserConfig)
     lcm: LCMConfig = field(default_factory=LCMConfig)
+    decoder_loss: DecoderConfig = field(default_factory=DecoderConfig)
     seed: int = 0
 
     def with_seed(self, seed: int) -> Recipe:
@@ -52,6 +56,8 @@ class Recipe:
             "text": lambda root, clean, log: train_text(root, self.text, clean, log, device=device),
             "teacher": lambda root, clean, log: train_teacher(root, self.teacher, clean, log, self.denoiser, device=device),
             "student": lambda root, clean, log: train_student(root, self.student, clean, log, self.lcm, self.denoiser,
+                                                              device=device),
+            "decoder": lambda root, clean, log: train_decoder(root, self.decoder, clean, log, self.decoder_loss,
                                                               device=device),
         }
         if name not in runs:
@@ -80,12 +86,16 @@ class Recipe:
 # 0.36-0.88 s CPU a teacher step on 2 threads, by machine (the first plan: 2.2 s and 30,000 steps).
 # The exported student is sampled with LCM's re-noising 95% common to the frames (``renoise_shared``;
 # trained with the 0.5 prior): QC passed 81.5% of 200 unseen fast clips against 74%, motion the same.
+# Last, the decoder is fine-tuned on whole clips with its encoder frozen (``decoder``; README, "The
+# decoder"): the latents the denoisers learnt stay as they were, the moving shape's edges stop
+# re-rolling from frame to frame.
 FULL = Recipe(
     name="full",
     vae=StageConfig(steps=2500, batch=32, lr=1e-3, ckpt_every=100, log_every=25, eval_every=500),
     text=StageConfig(steps=600, batch=64, lr=1e-3, ckpt_every=100, log_every=50),
     teacher=StageConfig(steps=17000, batch=8, lr=1e-3, ckpt_every=100, log_every=50, eval_every=1000),
     student=StageConfig(steps=1000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
+    decoder=StageConfig(steps=2000, batch=16, lr=2e-4, ckpt_every=100, log_every=50, eval_every=500),
     denoiser=DenoiserConfig(unet=nets.TEACHER, pool_clips=16384, noise_shared=0.5, prior_from=13000, markers=8,
                             markers_from=15000),
     lcm=LCMConfig(renoise_shared=0.95),
@@ -98,6 +108,7 @@ SMOKE = Recipe(
     text=StageConfig(steps=20, batch=32, lr=2e-3, ckpt_every=10, log_every=5, eval_every=0),
     teacher=StageConfig(steps=10, batch=2, lr=1e-3, ckpt_every=5, log_every=5, eval_every=0),
     student=StageConfig(steps=10, batch=2, lr=1e-4, ckpt_every=5, log_every=5, eval_every=0),
+    decoder=StageConfig(steps=10, batch=8, lr=1e-3, ckpt_every=5, log_every=5, eval_every=0),
     vae_channels=(16, 16, 16),
     denoiser=DenoiserConfig(unet=nets.SMOKE, pool_clips=64),
 )
@@ -157,7 +168,8 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     training the teacher again. A teacher exported unfinished (``export_teacher``: its
     clipmill.json says ``finished: false`` and its step) is resumed instead: its weights become
     the teacher stage's checkpoint at that step (the EMA, and the trained weights from its
-    ``resume/`` folder when there, with a fresh optimizer). Run again on the same ``root`` and ``folder`` (a resume),
+    ``resume/`` folder when there, with a fresh optimizer). A folder whose VAE's decoder was
+    fine-tuned (its clipmill.json lists the ``decoder`` stage) marks that stage done too. Run again on the same ``root`` and ``folder`` (a resume),
     it does nothing. A finished teacher whose step is below the recipe's teacher steps is resumed
     the same way, from its EMA weights (to train the shipped teacher longer, raise the recipe's
     ``steps``). Refuses a ``root`` that holds any of those stages otherwise (a half-done
@@ -208,6 +220,9 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     origin = {"seeded_from": str(folder)}
     pipe.vae.save_pretrained(root / "vae" / "model")
     _mark_done(root, "vae", {**(before.get("vae") or {}), **origin})
+    if before.get("decoder"):  # its VAE's decoder was fine-tuned already: that stage is done too
+        pipe.vae.save_pretrained(root / "decoder" / "model")
+        _mark_done(root, "decoder", {**before["decoder"], **origin})
     pipe.text_encoder.save_pretrained(root / "text" / "model")
     pipe.tokenizer.save_pretrained(root / "text" / "model")
     _mark_done(root, "text", {**(before.get("text") or {}), **origin})
