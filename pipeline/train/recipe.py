@@ -95,7 +95,7 @@ FULL = Recipe(
     text=StageConfig(steps=600, batch=64, lr=1e-3, ckpt_every=100, log_every=50),
     teacher=StageConfig(steps=17000, batch=8, lr=1e-3, ckpt_every=100, log_every=50, eval_every=1000),
     student=StageConfig(steps=1000, batch=8, lr=5e-5, ckpt_every=100, log_every=25, eval_every=500),
-    decoder=StageConfig(steps=2000, batch=16, lr=2e-4, ckpt_every=100, log_every=50, eval_every=500),
+    decoder=StageConfig(steps=4000, batch=16, lr=2e-4, ckpt_every=100, log_every=50, eval_every=500),
     denoiser=DenoiserConfig(unet=nets.TEACHER, pool_clips=16384, noise_shared=0.5, prior_from=13000, markers=8,
                             markers_from=15000),
     lcm=LCMConfig(renoise_shared=0.95),
