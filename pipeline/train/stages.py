@@ -82,6 +82,11 @@ class StageConfig:
         if self.eval_every < 0 or not self.lr > 0:
             raise ValueError(f"StageConfig eval_every={self.eval_every}, lr={self.lr}: need eval_every >= 0 and lr > 0")
 
+    def lr_at(self, step: int, warmup: int) -> float:
+        """The learning rate at ``step``: warmed up linearly over ``warmup`` steps, then a cosine
+        from ``lr`` down to a tenth of it at the last step."""
+        return self.lr * min(1.0, step / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / self.steps)))
+
     def eval_due(self, step: int) -> bool:
         """Whether to evaluate after ``step``: every ``eval_every`` steps and at the end."""
         return self.eval_every > 0 and (step % self.eval_every == 0 or step == self.steps)
@@ -193,6 +198,12 @@ def _shape_weight(alpha: torch.Tensor, gain: float) -> torch.Tensor:
     return 1.0 + gain * ring
 
 
+def _reconstruction_loss(err: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The autoencoder's loss on a reconstruction error (N, 3, H, W): squared plus half the
+    absolute error, weighted per pixel by ``w`` (N, 1, H, W)."""
+    return (err**2 * w).sum() / (w.sum() * 3) + 0.5 * (err.abs() * w).sum() / (w.sum() * 3)
+
+
 def vae_reconstruct(vae, frames: torch.Tensor) -> torch.Tensor:
     """(N, 3, H, W) in [-1, 1] through the VAE (posterior mean)."""
     with torch.no_grad():
@@ -237,13 +248,11 @@ def train_vae(root: Path, cfg: StageConfig, clean: Clean, log: Log, crop: int = 
         b = data.batch(max(1, cfg.batch // shapes.FRAMES))
         x, a = _crops(b.frames.flatten(0, 1), b.alpha.flatten(0, 1), data.rng, crop)
         x, a = x.to(device), a.to(device)
-        lr = cfg.lr * min(1.0, step / 100) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = cfg.lr_at(step, warmup=100)
         post = vae.encode(x).latent_dist
         y = vae.decode(post.sample()).sample
-        w = _shape_weight(a, shape_gain)
-        rec = ((y - x) ** 2 * w).sum() / (w.sum() * 3) + 0.5 * ((y - x).abs() * w).sum() / (w.sum() * 3)
+        rec = _reconstruction_loss(y - x, _shape_weight(a, shape_gain))
         loss = rec + kl * post.kl().mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -295,7 +304,7 @@ def decoder_loss(vae, frames: torch.Tensor, alpha: torch.Tensor, cfg: DecoderCon
     y = vae.decode(z).sample
     w = _shape_weight(alpha.flatten(0, 1).float(), cfg.shape_gain)
     err = y - x
-    loss = ((err**2 * w).sum() + 0.5 * (err.abs() * w).sum()) / (w.sum() * 3)
+    loss = _reconstruction_loss(err, w)
     if cfg.temporal:
         e, wv = err.view(b, t, *err.shape[1:]), w.view(b, t, *w.shape[1:])
         wt = torch.maximum(wv[:, 1:], wv[:, :-1])  # the shape's ring in either frame of the pair
@@ -337,9 +346,8 @@ def train_decoder(root: Path, cfg: StageConfig, clean: Clean, log: Log, dcfg: De
     while step < cfg.steps:
         step += 1
         b = data.batch(clips)
-        lr = cfg.lr * min(1.0, step / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)))
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = cfg.lr_at(step, warmup=50)
         frames = b.frames.to(device)
         loss, y = decoder_loss(vae, frames, b.alpha.to(device), dcfg)
         opt.zero_grad(set_to_none=True)
