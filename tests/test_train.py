@@ -135,24 +135,23 @@ def test_the_decoder_stage_tunes_the_decoder_and_leaves_the_encoder(trained):
 def test_the_decoder_loss_counts_an_error_that_changes_from_frame_to_frame():
     """The same reconstruction error in every frame costs less than errors of the same size
     that change between frames (what QC reads as boiling)."""
-    from clipmill.pipeline.train.stages import DecoderConfig
+    from types import SimpleNamespace
+
+    from clipmill.pipeline.train.stages import DecoderConfig, decoder_loss
 
     cfg = DecoderConfig(shape_gain=0.0, temporal=1.0)
     x = torch.zeros(1, 4, 3, 8, 8)
     alpha = torch.zeros(1, 4, 8, 8)
 
-    class Fixed(torch.nn.Module):  # "decodes" every frame to x + its own error pattern
+    class Fixed:  # an autoencoder whose every frame comes back with its own error pattern
         def __init__(self, errors):
-            super().__init__()
             self.errors = errors
 
         def encode(self, frames):
-            return type("E", (), {"latent_dist": type("D", (), {"mode": lambda _: frames})()})()
+            return SimpleNamespace(latent_dist=SimpleNamespace(mode=lambda: frames))
 
         def decode(self, z):
-            return type("O", (), {"sample": z + self.errors})()
-
-    from clipmill.pipeline.train.stages import decoder_loss
+            return SimpleNamespace(sample=z + self.errors)
 
     same = torch.full((4, 3, 8, 8), 0.1)
     flips = same * torch.tensor([1.0, -1.0, 1.0, -1.0]).view(4, 1, 1, 1)
