@@ -25,6 +25,7 @@ from ..choices import TIERS
 from ..models import SHAPES, SHAPES_VERSION
 from . import nets
 from .distill import LCMConfig
+from .recipe import STAGE_ORDER
 from .stages import MarkerEmbeddings, _load_state, export_pipeline
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
@@ -64,7 +65,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     try:
         pipe.save_pretrained(tmp, safe_serialization=True)
         teacher.save_pretrained(tmp / TEACHER, safe_serialization=True)
-        stages = {stage: _stage_info(ckpt_dir, stage) for stage in ("vae", "text", "teacher", "student", "decoder")}
+        stages = {stage: _stage_info(ckpt_dir, stage) for stage in STAGE_ORDER}
         recipe = ckpt_dir / "recipe.json"
         recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
         guidance = (recipe_d.get("lcm") or {}).get("guidance", LCMConfig.guidance)
