@@ -46,6 +46,40 @@ def test_a_held_out_prompt_at_the_fast_tier_draws_its_colour_and_motion(shapes_i
     assert sum(a.motion == "moves left" for a in reads) >= 3, [a.motion for a in reads]
 
 
+def test_a_saturated_shape_growing_in_a_zoom_is_not_read_as_colour_blow_out(shapes_info, tmp_path, monkeypatch):
+    import numpy as np
+
+    from clipmill.jobs.runner.stages import convert_and_check
+    from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
+    from clipmill.qc import QCConfig, metrics
+
+    # a render QC rejected for "exposure: +0.12 saturation" (README, "QC", exposure): the flow
+    # misplaces the green square's outline by a fraction of a pixel in every pair, always the
+    # same way as it grows, and the summed saturation drift read that as blow-out
+    req = ClipRequest(key="7", prompt="绿色方形向上移动, 黑色背景, zoom in", seed=1007, frames=8, width=64, height=64)
+    (clip,) = Renderer(shapes_info).render([req], GroupSettings(tier="fast", sampler=shapes_info.scheduler))
+
+    def post(frames, name):
+        _, result, series, _ = convert_and_check(frames, 8, 30, str(tmp_path / name), QCConfig())
+        return result, float(series.sat_drift.sum())
+
+    result, drift = post(clip.frames, "good.mp4")
+    assert not [r for r in result.reasons if r.startswith("exposure")], result.reasons
+    assert drift < 0.08, drift
+    with monkeypatch.context() as m:  # the outline counted, as before: the same clip read as blow-out
+        m.setattr(metrics, "SAT_EDGE", float("inf"))
+        assert post(clip.frames, "edges.mp4")[1] > QCConfig().exposure_saturation
+
+    # real colour blow-out of the same clip is still caught: saturation climbing over the frame
+    # (qc/synth.py's colour blow-out at its milder strength)
+    f = clip.frames.astype(np.float32)
+    ramp = (np.linspace(0, 1, len(f)) ** 1.5)[:, None, None, None]
+    grey = f.mean(axis=3, keepdims=True)
+    blown = grey + (f - grey) * (1 + 1.5 * ramp) + 35 * ramp * np.array([1.0, -0.3, -0.6])
+    result, drift = post(np.clip(blown, 0, 255).astype(np.uint8), "blown.mp4")
+    assert any(r.startswith("exposure") for r in result.reasons) and drift > 0.2, (drift, result.reasons)
+
+
 @pytest.mark.slow
 def test_the_demo_batch_passes_qc_and_prints_adherence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
