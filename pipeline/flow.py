@@ -25,6 +25,35 @@ class FlowEstimator:
         return self.dis.calc(a, b, None)
 
 
+def chroma_pair(a: np.ndarray, b: np.ndarray, spread: float = 40.0, max_gain: float = 8.0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """RGB uint8 frames ``a`` and ``b`` as (Lab a, Lab b, chroma a, chroma b): the Lab frames
+    (float32) and each frame's chroma projected on the pair's main chroma axis, stretched so
+    that its std is about ``spread`` levels (at most ``max_gain`` times), as uint8 images a flow
+    can follow. An object of about its background's luma (a green square on mid-grey) has
+    little luma edge but a strong one here."""
+    la, lb = (cv2.cvtColor(x, cv2.COLOR_RGB2LAB).astype(np.float32) for x in (a, b))
+    ab = np.concatenate([la[..., 1:].reshape(-1, 2), lb[..., 1:].reshape(-1, 2)])
+    ab -= ab.mean(axis=0)
+    var, vec = np.linalg.eigh(ab.T @ ab / len(ab))
+    axis, gain = vec[:, -1], min(max_gain, spread / float(np.sqrt(max(var[-1], 1e-6))))
+    chroma = [np.clip(128 + ((x[..., 1] - 128) * axis[0] + (x[..., 2] - 128) * axis[1]) * gain, 0, 255).astype(np.uint8)
+              for x in (la, lb)]
+    return la, lb, chroma[0], chroma[1]
+
+
+def colour_flow(flow: FlowEstimator, a: np.ndarray, b: np.ndarray, luma_flow: np.ndarray, keep: float = 0.8,
+                window: int = 5) -> np.ndarray:
+    """``luma_flow`` (a -> b, computed on luma) with, per pixel, the flow of the pair's chroma
+    (:func:`chroma_pair`) where that explains the colour frames better: its Lab warp residual,
+    averaged over ``window`` px, under ``keep`` times the luma flow's. ``a`` and ``b`` RGB uint8."""
+    la, lb, ca, cb = chroma_pair(a, b)
+    fc = flow(ca, cb)
+    rl = cv2.blur(np.abs(la - warp(lb, luma_flow)).sum(axis=-1), (window, window))
+    rc = cv2.blur(np.abs(la - warp(lb, fc)).sum(axis=-1), (window, window))
+    return np.where((rc < keep * rl)[..., None], fc, luma_flow).astype(np.float32)
+
+
 _GRIDS: dict = {}
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from clipmill.pipeline.flow import FlowEstimator, ssim_map, warp
+from clipmill.pipeline.flow import FlowEstimator, colour_flow, ssim_map, warp
 
 GRID = 12  # cells per side for local (block) residuals
 BORDER = 0.06  # fraction of each side left out of residuals: flow is unreliable at the edges
@@ -153,7 +153,8 @@ def colour_edges(rgb: np.ndarray) -> np.ndarray:
 
 
 def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
-                edges: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                edges: tuple[np.ndarray, np.ndarray] | None = None,
+                rgb: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Per pixel of ``a`` (float32 gray): band-pass energy of the motion-compensated residual
     against ``b`` above what grain and content edges explain, luma^2, averaged over a local window.
     ``edges`` are the colour edges (:func:`colour_edges`) of ``a`` and of ``b``; ``b``'s are
@@ -168,6 +169,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
        raises its own allowance; windows mostly left out read NaN (not measured).
     """
     fl = flow(np.clip(a, 0, 255).astype(np.uint8), np.clip(b, 0, 255).astype(np.uint8))
+    if rgb is not None and BOIL_CHROMA_FLOW:
+        fl = colour_flow(flow, rgb[0], rgb[1], fl)
     wb = warp(b, fl)
     ref = 0.5 * (a + wb)
     r = _lk_residual(a - wb, ref, BOIL_WINDOW)
@@ -243,9 +246,10 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
             # a camera move they excused the wrong places: README, Boiling)
             edges = None if rgb is None else {o: colour_edges(rgb[o]) for o in (i, i + k, i - k) if 0 <= o < n}
             pair = (lambda o: None) if edges is None else (lambda o: (edges[i], edges[o]))
-            m = boiling_map(gray[i], gray[i + k], flow, pair(i + k))
+            colour = (lambda o: None) if rgb is None else (lambda o: (rgb[i], rgb[o]))
+            m = boiling_map(gray[i], gray[i + k], flow, pair(i + k), colour(i + k))
             if both:  # a window left out on one side (a flow failure, an occlusion) is read on the other
-                m = np.fmin(m, boiling_map(gray[i], gray[i - k], flow, pair(i - k)))
+                m = np.fmin(m, boiling_map(gray[i], gray[i - k], flow, pair(i - k), colour(i - k)))
             m = np.nan_to_num(m, nan=0.0)
             scores[j] = np.quantile(m[inner], 1.0 - area)
 
@@ -255,6 +259,7 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
     return scores, idx, gaps
 
 
+BOIL_CHROMA_FLOW = True  # the boiling flow also follows colour (pipeline.flow.colour_flow)
 SAT_EDGE = 0.04  # saturation change per pixel (0..1) that makes an edge for the saturation drift
 SAT_EDGE_GROW = 2  # px the edges are grown by
 
