@@ -14,6 +14,8 @@ import uuid
 
 import pytest
 
+from services import CJK_FONT
+
 REDIS = ("127.0.0.1", 6379)
 PG_URL = os.environ.get("CLIPMILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -55,6 +57,17 @@ def need_service(name: str, error: Exception) -> None:
     if IN_CI:
         pytest.fail(f"{msg}; CI must provide it", pytrace=False)
     pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def cjk_font():
+    """The Chinese font of examples/ad/*.toml (fonts-wqy-microhei, which .ci/run installs)."""
+    if not CJK_FONT.exists():
+        msg = f"the Chinese font {CJK_FONT} is not installed (Debian: fonts-wqy-microhei)"
+        if IN_CI:
+            pytest.fail(f"{msg}; .ci/run installs it", pytrace=False)
+        pytest.skip(msg)
+    return CJK_FONT
 
 
 @pytest.fixture(scope="session", autouse=True)

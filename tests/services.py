@@ -8,10 +8,12 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")  # the font of examples/ad/*.toml (conftest: cjk_font)
 
 
 def free_port() -> int:

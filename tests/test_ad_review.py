@@ -22,13 +22,10 @@ from sqlalchemy import select
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, AdDecision, Attempt, Job
 from clipmill.storage.base import sha256_file
-from services import free_port, need_program, stop, wait_port
+from services import CJK_FONT, free_port, need_program, stop, wait_port
 
 ROOT = Path(__file__).resolve().parents[1]
-CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not CJK_FONT.exists(), reason=f"the Chinese font {CJK_FONT} is not installed "
-                                 "(Debian: fonts-wqy-microhei; .ci/run installs it)")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cjk_font")]
 
 TEMPLATE = f'''name = "review-small"
 fps = 30

@@ -23,13 +23,10 @@ from clipmill.pipeline.assemble import probe_av
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATE = ROOT / "examples" / "ad" / "local-life.toml"
-CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
 # the shots' own QC is not under test here: boiling (the shapes model's known fault) is let through
 QC = ("--set", "boiling_excess=1000")
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not CJK_FONT.exists(), reason=f"the Chinese font {CJK_FONT} is not installed "
-                                 "(Debian: fonts-wqy-microhei; .ci/run installs it)")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cjk_font")]
 
 
 def _cmd(*args, db: str, cwd: Path) -> list[str]:

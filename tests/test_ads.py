@@ -19,14 +19,13 @@ from clipmill.pipeline import assemble, audio, i420
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.overlay import missing_glyphs
 from clipmill.qc import ad as ad_qc
+from services import CJK_FONT
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ad" / "local-life.toml"
-CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")
 LATIN_FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
 
-needs_cjk = pytest.mark.skipif(not CJK_FONT.exists(), reason=f"the Chinese font {CJK_FONT} is not installed "
-                               "(Debian: fonts-wqy-microhei; .ci/run installs it)")
+needs_cjk = pytest.mark.usefixtures("cjk_font")
 
 
 def _count(text: str) -> int:  # the shapes model's byte-level tokenizer: one token a UTF-8 byte, plus 2
@@ -225,9 +224,7 @@ def _cuts_by_histogram(path: Path) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def example_ad(info):
-    if not CJK_FONT.exists():
-        pytest.skip(f"the Chinese font {CJK_FONT} is not installed (Debian: fonts-wqy-microhei)")
+def example_ad(info, cjk_font):
     tpl = template.load(EXAMPLE)
     batch = rows.read_ads(ROOT / "examples" / "ad" / "ads.csv", tpl, info, _count)
     return tpl, batch.ads[0]

@@ -32,11 +32,10 @@ import pytest
 from click.testing import CliRunner
 
 from clipmill.jobs.cli import main
-from services import free_port, stop, wait_port
+from services import CJK_FONT, IN_CI, free_port, stop, wait_port
 
 REPO = Path(__file__).resolve().parent.parent
 BATCH = "ad-batch-20261129-210000"
-CJK_FONT = Path("/usr/share/fonts/truetype/wqy/wqy-microhei.ttc")  # the font of examples/ad/*.toml
 NEEDS_CJK = (" --ad examples/ad/", "bench --assembly")  # examples that draw an ad template's texts
 
 # Where each example runs, by prefix (first match wins); every example must match one.
@@ -229,7 +228,7 @@ def test_help_examples_run_as_written(tmp_path, monkeypatch, redis_url, s3_endpo
             ran.append(example)
             continue
         if any(p in example for p in NEEDS_CJK) and not CJK_FONT.exists():
-            assert os.environ.get("CI") != "true", f"{CJK_FONT} is missing: .ci/run installs fonts-wqy-microhei"
+            assert not IN_CI, f"{CJK_FONT} is missing: .ci/run installs fonts-wqy-microhei"
             print(f"skipped: {example} (the Chinese font {CJK_FONT} is not installed; tests/test_ads.py skips too)")
             continue
         command = example
