@@ -74,9 +74,9 @@ class QCConfig:
             try:
                 data = tomllib.loads(Path(path).read_text())
             except FileNotFoundError:
-                raise ValueError(f"--config {str(path)!r}: no such file")
+                raise ValueError(f"--qc-config {str(path)!r}: no such file")
             except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"--config {str(path)!r}: not valid TOML ({e})")
+                raise ValueError(f"--qc-config {str(path)!r}: not valid TOML ({e})")
             values.update(data.get("qc", data))
         values.update(overrides or {})
         return cls.from_dict(values, source=str(path) if path else "--set")

@@ -371,6 +371,6 @@ def test_export_with_nothing_approved_or_no_credentials(cli, db, tmp_path, monke
 def test_exit_codes_are_in_the_main_help():
     res = CliRunner().invoke(main, ["--help"])
     assert "Exit codes (every command):" in res.output
-    for line in ("0  done: every job passed or was rejected by QC", "1  a job failed, or export found nothing approved",
+    for line in ("0  done: every job passed or was rejected by QC", "1  a job failed, an ad could not be assembled, or export found nothing approved",
                  "2  usage or bad input: nothing was done, the job table is unchanged"):
         assert line in res.output

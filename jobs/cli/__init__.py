@@ -29,7 +29,7 @@ def main(verbose: int, log_json: bool) -> None:
 
     \b
     Example:
-      clipmill run examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+      clipmill run examples/shapes-batch.csv
       clipmill status
 
     The job table is SQLite at ./clipmill.db unless CLIPMILL_DATABASE_URL says otherwise.
@@ -37,10 +37,11 @@ def main(verbose: int, log_json: bool) -> None:
     \b
     Exit codes (every command):
       0  done: every job passed or was rejected by QC
-      1  a job failed, or export found nothing approved
+      1  a job failed, an ad could not be assembled, or export found nothing approved
       2  usage or bad input: nothing was done, the job table is unchanged
-      3  setup: model, device, storage or broker unusable; the run stops once and
-         its jobs stay queued (clipmill run --resume BATCH continues)
+      3  setup: model, device, storage or broker unusable, or another nightly run
+         holds the lock; the run stops once and its jobs stay queued
+         (clipmill run --resume BATCH continues)
     """
     from clipmill.jobs.core.logs import setup
 

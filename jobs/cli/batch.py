@@ -145,7 +145,7 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
     \b
     Example:
       clipmill run examples/shapes-batch.csv
-      clipmill run examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}"
+      clipmill run examples/ad-batch.csv --model tiny --template "{dish} on a table in {store}, {camera}"
       clipmill run examples/ad/ads.csv --ad examples/ad/local-life.toml
       clipmill run --resume ad-batch-20261129-210000
     """
@@ -369,7 +369,7 @@ def submit_cmd(file, ad_template, opts):
 
     \b
     Example:
-      clipmill submit examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}" --batch friday-ads --tier quality
+      clipmill submit examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}" --batch friday-ads --priority 5
       clipmill submit examples/ad/ads.csv --ad examples/ad/local-life.toml --batch friday-feed-ads
     """
     from clipmill.jobs.core.preflight import check_storage, check_submit_options
@@ -499,7 +499,12 @@ def _check_ads(file: str, ad_template: str, opts, as_json: bool) -> None:
 
 @click.group()
 def prompts():
-    """Work with prompt batch files without submitting them."""
+    """Work with prompt batch files without submitting them.
+
+    \b
+    Example:
+      clipmill prompts check examples/shapes-batch.csv
+    """
 
 
 @prompts.command("check")

@@ -98,9 +98,10 @@ def batch_options(fn):
     @click.option("--tier", type=click.Choice(list(TIERS)), default="fast", show_default=True,
                   help="Tier for rows without a tier column: fast = 6 steps, quality = 8 steps.")
     @click.option("--frames", type=int, default=None,
-                  help="Frames to render, for rows without frames [default: the model's, 16 for AnimateDiff, 17 for Wan].")
-    @click.option("--fps", type=int, default=30, show_default=True, help="Output frame rate, for rows without fps.")
-    @click.option("--size", default=None, help="WIDTHxHEIGHT for rows without size [default: the model's].")
+                  help="Frames to render, for rows without frames [default: the model's: 8 for shapes, 16 for tiny and "
+                       "other AnimateDiff folders, 17 for Wan].")
+    @click.option("--fps", type=int, default=30, show_default=True, help="Output frame rate, for rows without fps (8-120).")
+    @click.option("--size", default=None, help="WIDTHxHEIGHT or N for rows without size [default: the model's].")
     @functools.wraps(fn)
     def wrapper(*args, model, template, truncate, tier, frames, fps, size, **kwargs):
         from clipmill.jobs.core.batches import SubmitOptions
@@ -135,12 +136,12 @@ def submit_options(fn):
     @click.option("--skip-invalid", is_flag=True, help="Submit the valid rows and list the invalid ones (default: all or nothing).")
     @click.option("--sampler", type=click.Choice(SAMPLERS), default=None,
                   help="lightning (Euler, trailing) or lcm [default: what the model folder's scheduler is].")
-    @click.option("--guidance", type=float, default=1.0, show_default=True, help="CFG scale; 1.0 turns guidance off (distilled models).")
-    @click.option("--max-attempts", type=int, default=2, show_default=True, help="Render tries per job before it fails.")
+    @click.option("--guidance", type=float, default=1.0, show_default=True, help="CFG scale, 1-30; 1.0 turns guidance off (distilled models).")
+    @click.option("--max-attempts", type=int, default=2, show_default=True, help="Attempts per job, QC retries and render errors together (1-10).")
     @click.option("--max-lost", type=int, default=3, show_default=True,
-                  help="Attempts a job may lose with its worker (killed, lease expired) before it fails; they do not "
+                  help="Attempts a job may lose with its worker (killed, lease expired) before it fails (1-10); they do not "
                        "count against --max-attempts.")
-    @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first.")
+    @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first (-1000 to 1000).")
     @click.option("--notify", default=None, metavar="URL",
                   help="POST a JSON summary here when the batch finishes, signed with HMAC-SHA256 of "
                        "CLIPMILL_NOTIFY_SECRET, retried with backoff [default: an ad template's notify].")

@@ -29,7 +29,8 @@ def worker(queues, gpu, concurrency, loglevel):
     """Run a farm worker (needs CLIPMILL_BROKER_URL and a shared CLIPMILL_DATABASE_URL).
 
     A render worker is one process per GPU (solo pool: CUDA cannot be re-initialised in forked
-    children); it keeps the model warm and renders groups of up to 4 compatible queued jobs.
+    children); it keeps the model warm and renders groups of up to CLIPMILL_GROUP_SIZE (default 4)
+    compatible queued jobs.
     Between two groups it takes a waiting streaming preview first (the preview queue, at top
     priority) and streams it until its page closes (or CLIPMILL_PREVIEW_MAX seconds). A
     preview worker streams previews alone. A post worker interpolates, encodes, checks and

@@ -15,7 +15,7 @@ variable, its value and what is allowed. Nothing else in ``clipmill.jobs`` reads
 | CLIPMILL_DECODER | vae or tiny | vae |
 | CLIPMILL_COMPILE | none, torch or tensorrt | none |
 | CLIPMILL_GUIDANCE_MODE | cfg, rcfg-self or rcfg-onetime | cfg |
-| CLIPMILL_DRAWS | renders a clip of a shapes-world model may take until it reads as asked (1-16; 1: off) | 4 |
+| CLIPMILL_DRAWS | renders a clip of a shapes-world model may take until it reads as asked (1-16; 1: off) | 8 |
 | CLIPMILL_VISIBILITY_TIMEOUT | seconds before Redis redelivers an unacked message | 14400 |
 | CLIPMILL_TIMEZONE | the zone of times of day (nightly deadline, beat) | this host's |
 | CLIPMILL_RECONCILE_EVERY | beat: seconds between reconciles (0: off) | 60 |
