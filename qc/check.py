@@ -372,9 +372,15 @@ def check_frames(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> 
     return check_frames_with_series(frames, fps, cfg)[0]
 
 
+MIN_SIDE = 16  # px: the smallest frame side QC checks (DIS optical flow needs 12)
+
+
 def check_frames_with_series(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> tuple[QCResult, Series]:
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
         raise ValueError(f"frames: expected (F, H, W, 3) uint8 with F >= 1, got {frames.shape} {frames.dtype}")
+    if min(frames.shape[1:3]) < MIN_SIDE:
+        raise ValueError(f"frames of {frames.shape[2]}x{frames.shape[1]} px: QC needs at least {MIN_SIDE} px a side "
+                         "(its optical flow cannot follow less)")
     t0 = time.perf_counter()
     series = measure(frames, cfg.max_side, fps if fps and fps > 0 else 24.0, cfg.boiling_seconds, cfg.boiling_area)
     result = verdict(series, fps, cfg)

@@ -75,11 +75,11 @@ def working_copy(frames: np.ndarray, max_side: int) -> tuple[np.ndarray, np.ndar
     f, h, w = frames.shape[:3]
     k = int(np.ceil(max(h, w) / max_side))  # an integer factor takes OpenCV's fast area path
     scale = 1.0 / k
-    size = (max(8, w // k), max(8, h // k))
+    size = (max(8, w // k), max(8, h // k))  # a frame under 8 px is enlarged to 8 (the flow needs room)
     small = np.empty((f, size[1], size[0], 3), np.uint8)
 
     def shrink(i: int) -> None:
-        small[i] = cv2.resize(frames[i], size, interpolation=cv2.INTER_AREA) if k > 1 else frames[i]
+        small[i] = cv2.resize(frames[i], size, interpolation=cv2.INTER_AREA) if size != (w, h) else frames[i]
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         list(pool.map(shrink, range(f)))
@@ -161,12 +161,18 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     warped onto ``a`` with the same flow as ``b`` itself, so that under a pan or a zoom they lie
     where ``b``'s content does in the residual.
 
-    1. flow a -> b (DIS), b warped onto a, residual r = a - warp(b), less a local sub-pixel shift;
+    ``rgb`` (the RGB frames ``a`` and ``b`` were made from) lets the flow follow colour too.
+
+    1. flow a -> b (DIS on luma; with ``rgb`` and BOIL_CHROMA_FLOW, a chroma flow kept per pixel
+       where it explains the colour frames better, :func:`~clipmill.pipeline.flow.colour_flow`),
+       b warped onto a, residual r = a - warp(b), less a local sub-pixel shift;
     2. residuals above BOIL_FAIL (a flow failure) are left out with their neighbourhood;
     3. r split into a fine band F (< BOIL_FINE px) and a band-pass B (BOIL_FINE..BOIL_COARSE);
-    4. excess = mean(B^2) - BOIL_GRAIN_SHARE * mean(F^2) - BOIL_EDGE * mean(|grad a|^2) over the
-       window: the noise floor is the fine-band energy measured in the same place, so heavy grain
-       raises its own allowance; windows mostly left out read NaN (not measured).
+    4. excess = (mean(B^2) - BOIL_GRAIN_SHARE * mean(F^2)) / max(valid share, 0.3)
+       - BOIL_EDGE * mean(E) over the window, where E is the squared gradient of the pair's mean
+       blurred at 3 px (content edges without the texture), or the colour edges where larger:
+       the noise floor is the fine-band energy measured in the same place, so heavy grain raises
+       its own allowance; windows with BOIL_VALID_SHARE or less left read NaN (not measured).
     """
     fl = flow(np.clip(a, 0, 255).astype(np.uint8), np.clip(b, 0, 255).astype(np.uint8))
     if rgb is not None and BOIL_CHROMA_FLOW:
@@ -269,14 +275,14 @@ def _sat_drift(a: np.ndarray, b: np.ndarray, inner) -> float:
     saturation edges. The flow misplaces a saturated object's outline by a fraction of a pixel
     in every pair, and under a zoom or a move that error has one sign: summed over a clip, a
     green square growing in a zoom in read as +0.12 saturation of "the same content". A colour
-    blow-out raises the saturation of flat regions too, which this still measures."""
+    blow-out raises the saturation of flat regions too, which this still measures. Where edges
+    leave under a tenth of the frame (saturated texture everywhere), the whole frame's mean."""
     edges = np.zeros(a.shape, bool)
     for x in (a, b):
         gx, gy = cv2.Sobel(x, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(x, cv2.CV_32F, 0, 1, ksize=3) / 8
         edges |= np.hypot(gx, gy) > SAT_EDGE
-    if SAT_EDGE_GROW:
-        k = 2 * SAT_EDGE_GROW + 1
-        edges = cv2.dilate(edges.astype(np.uint8), np.ones((k, k), np.uint8)) > 0
+    k = 2 * SAT_EDGE_GROW + 1
+    edges = cv2.dilate(edges.astype(np.uint8), np.ones((k, k), np.uint8)) > 0
     d, keep = (b - a)[inner], ~edges[inner]
     return float(d[keep].mean()) if keep.mean() > 0.1 else float(d.mean())
 

@@ -313,16 +313,18 @@ def test_qc_reports_unreadable_files_as_errors_never_verdicts(tmp_path):
     encode_h264(rng.integers(0, 255, (12, 64, 64, 3), dtype=np.uint8), 24, tmp_path / "ok.mp4")
     (tmp_path / "folder.mp4").mkdir()
     (tmp_path / "text.mp4").write_text("not a video")
-    files = [str(tmp_path / n) for n in ("missing.mp4", "folder.mp4", "text.mp4", "ok.mp4")]
+    encode_h264(rng.integers(0, 255, (12, 12, 12, 3), dtype=np.uint8), 24, tmp_path / "tiny.mp4")
+    files = [str(tmp_path / n) for n in ("missing.mp4", "folder.mp4", "text.mp4", "tiny.mp4", "ok.mp4")]
     res = CliRunner().invoke(main, ["qc", *files])
     assert res.exit_code == 2
     assert res.stderr.splitlines() == [
         f"error: {files[0]}: no such file",
         f"error: {files[1]}: is a folder; give a file",
         f"error: {files[2]}: not a readable video (Invalid data found when processing input)",
-        "3 of 4 file(s) could not be read",
+        f"error: {files[3]}: frames of 12x12 px: QC needs at least 16 px a side (its optical flow cannot follow less)",
+        "4 of 5 file(s) could not be read or checked",
     ]
-    assert res.stdout.split()[1] == files[3]  # the readable file still gets its verdict
+    assert res.stdout.split()[1] == files[4]  # the readable file still gets its verdict
     assert "reject missing" not in res.output and "Errno" not in res.output
 
 

@@ -25,8 +25,8 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     flat frames, frozen stretches, cuts, over-exposure, boiling texture, collapse into blur.
 
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
-    A file that cannot be read (missing, a folder, not a video) gets an error line naming it and
-    why, never a verdict; the other files are still checked, and the exit code is 2. Exits 0
+    A file that cannot be read or checked (missing, a folder, not a video, frames under 16 px a
+    side) gets an error line naming it and why, never a verdict; the other files are still checked, and the exit code is 2. Exits 0
     when every file was read, whatever the verdicts.
 
     \b
@@ -50,14 +50,14 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
         try:
             check_input_file(f)
             frames, fps = decode(f)
-        except (BadOption, VideoError) as e:
+            res, series = check_frames_with_series(frames, fps, qc_cfg)
+        except (BadOption, VideoError, ValueError) as e:
             unreadable += 1
             reason = str(e).removeprefix(f"{f}: ")
             if as_json:
                 click.echo(json.dumps({"path": f, "error": reason}, ensure_ascii=False))
             err.print(f"[red]error:[/] {escape(f)}: {escape(reason)}", soft_wrap=True, highlight=False)
             continue
-        res, series = check_frames_with_series(frames, fps, qc_cfg)
         rec = {"path": f, "verdict": res.verdict, "reasons": res.reasons, "metrics": res.metrics}
         if sheet:
             try:
@@ -77,7 +77,7 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             for line in explain_lines(series, fps):
                 out.print("    " + line, markup=False, soft_wrap=True)
     if unreadable:
-        err.print(f"{unreadable} of {len(files)} file(s) could not be read", highlight=False)
+        err.print(f"{unreadable} of {len(files)} file(s) could not be read or checked", highlight=False)
         sys.exit(EXIT_BAD_INPUT)
 
 
