@@ -146,3 +146,34 @@ def test_a_fast_pan_over_fine_texture_is_not_boiling():
         boiling[i] += (6.0 * region * bandpass_noise((256, 256), 1.5, rng))[..., None]
     res = check_frames(np.clip(boiling, 0, 255).astype(np.uint8), 24)
     assert res.verdict == "reject" and res.reasons[0].startswith("boiling:"), res.reasons
+
+
+def test_the_chroma_image_is_centred_on_the_pairs_own_colour():
+    """A tinted pair (an iso-luminant square on a green-tinted background, moved 4 px) keeps its
+    square in the chroma image the colour flow follows; stretched about neutral grey it clipped
+    to one level, and the flow had nothing to follow. The chroma flow then explains the move."""
+    import cv2
+
+    from clipmill.pipeline.flow import FlowEstimator, chroma_pair, colour_flow, warp
+
+    rng = np.random.default_rng(5)
+
+    def frame(x0: int) -> np.ndarray:
+        f = np.empty((72, 128, 3), np.float32)
+        f[:] = (70, 150, 70)
+        f[28:48, x0:x0 + 20] = (92, 140, 70)  # about the background's luma, another chroma
+        f += rng.normal(0, 2, (72, 128, 1))  # luma grain: the luma flow has nothing else to follow
+        return np.clip(f, 0, 255).astype(np.uint8)
+
+    a, b = frame(40), frame(44)
+    la, lb, ca, cb = chroma_pair(a, b)
+    assert ca.min() < 100 and ca.max() > 110 and abs(float(np.median(ca)) - 128) < 30  # two levels, not one clipped
+    fl = FlowEstimator("fast")
+    luma = fl(cv2.cvtColor(a, cv2.COLOR_RGB2GRAY), cv2.cvtColor(b, cv2.COLOR_RGB2GRAY))
+    both = colour_flow(fl, a, b, luma)
+    ring = np.zeros((72, 128), bool)
+    ring[24:52, 36:68] = True
+    res = lambda f: float(np.abs(la - warp(lb, f))[..., 1:].sum(-1)[ring].mean())  # noqa: E731
+    assert res(both) < 0.5 * res(luma)
+    with pytest.raises(ValueError, match="must be uint8 RGB"):
+        chroma_pair(a.astype(np.float32), b)
