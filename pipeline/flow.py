@@ -28,12 +28,13 @@ class FlowEstimator:
 def chroma_pair(a: np.ndarray, b: np.ndarray, spread: float = 40.0, max_gain: float = 8.0
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """RGB uint8 frames ``a`` and ``b`` as (Lab a, Lab b, chroma a, chroma b): the Lab frames
-    (float32) and each frame's chroma projected on the pair's main chroma axis about the pair's
-    mean chroma (128 in the image), stretched so that its std is about ``spread`` levels (at most
-    ``max_gain`` times), as uint8 images a flow can follow. An object of about its background's luma (a green square on mid-grey) has
+    (float32) and each frame's chroma projected on the pair's main chroma axis about the
+    pair's mean chroma (128 in the image), stretched so that its std is about ``spread``
+    levels (at most ``max_gain`` times), as uint8 images a flow can follow. An object of about its background's luma (a green square on mid-grey) has
     little luma edge but a strong one here."""
-    if a.dtype != np.uint8 or b.dtype != np.uint8:
-        raise ValueError(f"chroma_pair: frames must be uint8 RGB, got {a.dtype} and {b.dtype} (float Lab has no +128 offset)")
+    if a.dtype != np.uint8 or b.dtype != np.uint8 or a.shape != b.shape or a.ndim != 3 or a.shape[-1] != 3:
+        raise ValueError(f"chroma_pair: frames must be uint8 RGB (H, W, 3) of one size, got {a.dtype} {a.shape} and "
+                         f"{b.dtype} {b.shape} (float Lab has no +128 offset)")
     la, lb = (cv2.cvtColor(x, cv2.COLOR_RGB2LAB).astype(np.float32) for x in (a, b))
     ab = np.concatenate([la[..., 1:].reshape(-1, 2), lb[..., 1:].reshape(-1, 2)])
     mean = ab.mean(axis=0)

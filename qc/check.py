@@ -67,16 +67,18 @@ class QCConfig:
     min_median_ssim: float = 0.6
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None) -> QCConfig:
-        """Defaults, then a TOML file (top-level keys or a [qc] table), then ``overrides``."""
+    def load(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None,
+             name: str = "--qc-config") -> QCConfig:
+        """Defaults, then a TOML file (top-level keys or a [qc] table), then ``overrides``. ``name``
+        is where ``path`` came from (an option or a variable), for the error message."""
         values: dict = {}
         if path is not None:
             try:
                 data = tomllib.loads(Path(path).read_text())
             except FileNotFoundError:
-                raise ValueError(f"--qc-config {str(path)!r}: no such file")
+                raise ValueError(f"{name} {str(path)!r}: no such file")
             except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"--qc-config {str(path)!r}: not valid TOML ({e})")
+                raise ValueError(f"{name} {str(path)!r}: not valid TOML ({e})")
             values.update(data.get("qc", data))
         values.update(overrides or {})
         return cls.from_dict(values, source=str(path) if path else "--set")
@@ -372,15 +374,22 @@ def check_frames(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> 
     return check_frames_with_series(frames, fps, cfg)[0]
 
 
-MIN_SIDE = 16  # px: the smallest frame side QC checks (DIS optical flow needs 12)
+MIN_SIDE = 32  # px: the smallest side of QC's working copy (DIS optical flow crashes on 320x24)
+
+
+class FrameTooSmall(ValueError):
+    """The frames are too small (or too narrow) for QC to measure."""
 
 
 def check_frames_with_series(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> tuple[QCResult, Series]:
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
         raise ValueError(f"frames: expected (F, H, W, 3) uint8 with F >= 1, got {frames.shape} {frames.dtype}")
-    if min(frames.shape[1:3]) < MIN_SIDE:
-        raise ValueError(f"frames of {frames.shape[2]}x{frames.shape[1]} px: QC needs at least {MIN_SIDE} px a side "
-                         "(its optical flow cannot follow less)")
+    h, w = frames.shape[1:3]
+    k = -(-max(h, w) // cfg.max_side)  # measure's integer shrink factor (metrics.working_copy)
+    if min(h // k, w // k) < MIN_SIDE:
+        shrunk = f", {w // k}x{h // k} once shrunk to at most max_side {cfg.max_side} px" if k > 1 else ""
+        raise FrameTooSmall(f"frames of {w}x{h} px{shrunk}: QC needs at least {MIN_SIDE} px a side "
+                            "(its optical flow cannot follow less)")
     t0 = time.perf_counter()
     series = measure(frames, cfg.max_side, fps if fps and fps > 0 else 24.0, cfg.boiling_seconds, cfg.boiling_area)
     result = verdict(series, fps, cfg)

@@ -34,7 +34,7 @@ BOIL_FAIL_GROW = 5  # ... with its 5x5 neighbourhood
 BOIL_SAMPLES = 12  # frames sampled per clip
 BOIL_COLOUR_BLUR = 3.0  # px (Gaussian sigma) before the colour edges' gradient
 BOIL_FLOW_PRESET = "fast"  # DIS preset of the boiling test's flow
-BOIL_VALID_SHARE = 0.7  # a window is measured when at least this share of it is not a flow failure
+BOIL_VALID_SHARE = 0.7  # a window is measured when more than this share of it is not a flow failure
 # Under a fast camera move the pair is taken closer than boil_seconds apart, so that the content
 # shifts at most this far (working-size px) between its two frames: DIS loses fine texture over
 # longer shifts, and that residual read as boiling (pans over brick from 7 px/frame at 24 fps,
@@ -75,7 +75,7 @@ def working_copy(frames: np.ndarray, max_side: int) -> tuple[np.ndarray, np.ndar
     f, h, w = frames.shape[:3]
     k = int(np.ceil(max(h, w) / max_side))  # an integer factor takes OpenCV's fast area path
     scale = 1.0 / k
-    size = (max(8, w // k), max(8, h // k))  # a frame under 8 px is enlarged to 8 (the flow needs room)
+    size = (w // k, h // k)  # at least check.MIN_SIDE a side: check_frames refuses smaller frames
     small = np.empty((f, size[1], size[0], 3), np.uint8)
 
     def shrink(i: int) -> None:
@@ -172,7 +172,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
        - BOIL_EDGE * mean(E) over the window, where E is the squared gradient of the pair's mean
        blurred at 3 px (content edges without the texture), or the colour edges where larger:
        the noise floor is the fine-band energy measured in the same place, so heavy grain raises
-       its own allowance; windows with BOIL_VALID_SHARE or less left read NaN (not measured).
+       its own allowance; a window whose valid share is BOIL_VALID_SHARE or less reads NaN (not
+       measured).
     """
     fl = flow(np.clip(a, 0, 255).astype(np.uint8), np.clip(b, 0, 255).astype(np.uint8))
     if rgb is not None and BOIL_CHROMA_FLOW:
@@ -276,7 +277,7 @@ def _sat_drift(a: np.ndarray, b: np.ndarray, inner) -> float:
     in every pair, and under a zoom or a move that error has one sign: summed over a clip, a
     green square growing in a zoom in read as +0.12 saturation of "the same content". A colour
     blow-out raises the saturation of flat regions too, which this still measures. Where edges
-    leave under a tenth of the frame (saturated texture everywhere), the whole frame's mean."""
+    leave a tenth of ``inner`` or less (saturated texture everywhere), the mean over all of it."""
     edges = np.zeros(a.shape, bool)
     for x in (a, b):
         gx, gy = cv2.Sobel(x, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(x, cv2.CV_32F, 0, 1, ksize=3) / 8

@@ -14,11 +14,10 @@ import uuid
 
 import pytest
 
-from services import CJK_FONT
+from services import CJK_FONT, IN_CI
 
 REDIS = ("127.0.0.1", 6379)
 PG_URL = os.environ.get("CLIPMILL_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
 # The fast tier (`make test-fast`, `pytest --fast`): no servers, no browser, no worker

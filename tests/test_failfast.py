@@ -321,7 +321,7 @@ def test_qc_reports_unreadable_files_as_errors_never_verdicts(tmp_path):
         f"error: {files[0]}: no such file",
         f"error: {files[1]}: is a folder; give a file",
         f"error: {files[2]}: not a readable video (Invalid data found when processing input)",
-        f"error: {files[3]}: frames of 12x12 px: QC needs at least 16 px a side (its optical flow cannot follow less)",
+        f"error: {files[3]}: frames of 12x12 px: QC needs at least 32 px a side (its optical flow cannot follow less)",
         "4 of 5 file(s) could not be read or checked",
     ]
     assert res.stdout.split()[1] == files[4]  # the readable file still gets its verdict

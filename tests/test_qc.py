@@ -146,3 +146,20 @@ def test_sharpness_follows_a_fast_pan_and_still_sees_blur():
     soft = np.stack([cv2.GaussianBlur(fr, (0, 0), 0.2 + 3.0 * i / 47) for i, fr in enumerate(frames)])
     res = check_frames(soft, 24)
     assert res.verdict == "reject" and any(r.startswith("blur:") for r in res.reasons), res.reasons
+
+
+@pytest.mark.parametrize("size", [(12, 12), (320, 24), (1280, 16), (1280, 72)])
+def test_frames_too_small_or_too_narrow_to_measure_are_refused(size):
+    """QC measures a copy shrunk to at most max_side px; DIS optical flow crashed the process
+    (SIGSEGV) on a 320x24 working copy. Such frames are refused with the size and the limit."""
+    from clipmill.qc.check import FrameTooSmall
+
+    w, h = size
+    frames = np.random.default_rng(0).integers(0, 255, (6, h, w, 3), dtype=np.uint8)
+    with pytest.raises(FrameTooSmall, match=rf"^frames of {w}x{h} px.*: QC needs at least 32 px a side"):
+        check_frames(frames, 24)
+
+
+def test_the_smallest_frames_qc_takes_are_measured():
+    frames = camera_move(photo("coffee"), "pan", 8, (320, 32), np.random.default_rng(0))
+    assert check_frames(frames, 24).verdict == "pass"

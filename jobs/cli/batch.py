@@ -139,8 +139,9 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
 
     Every option, the device, the model folder and the storage root are checked before the
     job table changes; a bad row leaves it unchanged too. Exits 0 when every job ended passed
-    or rejected by QC, 1 when a job failed, 2 on bad input (nothing submitted), 3 when the
-    model, device or storage cannot be used (the run stops once; jobs stay queued).
+    or rejected by QC, 1 when a job failed or an ad could not be assembled, 2 on bad input
+    (nothing submitted), 3 when the model, device or storage cannot be used (the run stops
+    once; jobs stay queued).
 
     \b
     Example:
@@ -369,7 +370,7 @@ def submit_cmd(file, ad_template, opts):
 
     \b
     Example:
-      clipmill submit examples/ad-batch.csv --template "{dish} on a table in {store}, {camera}" --batch friday-ads --priority 5
+      clipmill submit examples/shapes-batch.csv --batch friday-shapes --priority 5
       clipmill submit examples/ad/ads.csv --ad examples/ad/local-life.toml --batch friday-feed-ads
     """
     from clipmill.jobs.core.preflight import check_storage, check_submit_options

@@ -33,7 +33,7 @@ from clipmill.pipeline.models import SHAPES, ModelError
                    "for a model of the shapes world.")
 @click.option("--quality-clips", type=click.IntRange(0, 2000), default=None,
               help="Clips per row for the quality columns (same prompts and seeds in every row; half held out; "
-                   "0 turns them off) [default: 32; --failures 40; --adherence 200; --seams 12].")
+                   "0 turns them off; --seams takes 0 as 12) [default: 32; --failures 40; --adherence 200; --seams 12].")
 @click.option("--failures", is_flag=True,
               help="Instead of the ladder: render --quality-clips shapes-world prompts well and broken as real models "
                    "break (1-2 steps, guidance 12/16, a feature cache far too coarse, NaN latents mid-denoise, "

@@ -23,7 +23,7 @@ out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 # Exit codes, the same for every command (README "Exit codes").
 EXIT_OK = 0  # the work ended: every job passed or was rejected by QC
-EXIT_JOB_FAILED = 1  # at least one job failed, or `export` found nothing approved
+EXIT_JOB_FAILED = 1  # a job failed, an ad could not be assembled, or `export` found nothing approved
 EXIT_BAD_INPUT = 2  # usage or bad input: nothing was done, the job table is unchanged
 EXIT_SETUP = 3  # setup: model, device, storage or broker unusable; jobs stay queued
 
@@ -100,7 +100,8 @@ def batch_options(fn):
     @click.option("--frames", type=int, default=None,
                   help="Frames to render, for rows without frames [default: the model's: 8 for shapes, 16 for tiny and "
                        "other AnimateDiff folders, 17 for Wan].")
-    @click.option("--fps", type=int, default=30, show_default=True, help="Output frame rate, for rows without fps (8-120).")
+    @click.option("--fps", type=int, default=30, show_default=True,
+                  help="Output frame rate, for rows without fps (8-120).")
     @click.option("--size", default=None, help="WIDTHxHEIGHT or N for rows without size [default: the model's].")
     @functools.wraps(fn)
     def wrapper(*args, model, template, truncate, tier, frames, fps, size, **kwargs):
@@ -136,11 +137,13 @@ def submit_options(fn):
     @click.option("--skip-invalid", is_flag=True, help="Submit the valid rows and list the invalid ones (default: all or nothing).")
     @click.option("--sampler", type=click.Choice(SAMPLERS), default=None,
                   help="lightning (Euler, trailing) or lcm [default: what the model folder's scheduler is].")
-    @click.option("--guidance", type=float, default=1.0, show_default=True, help="CFG scale, 1-30; 1.0 turns guidance off (distilled models).")
-    @click.option("--max-attempts", type=int, default=2, show_default=True, help="Attempts per job, QC retries and render errors together (1-10).")
+    @click.option("--guidance", type=float, default=1.0, show_default=True,
+                  help="CFG scale, 1-30; 1.0 turns guidance off (distilled models).")
+    @click.option("--max-attempts", type=int, default=2, show_default=True,
+                  help="Attempts per job, QC retries and render errors together (1-10).")
     @click.option("--max-lost", type=int, default=3, show_default=True,
-                  help="Attempts a job may lose with its worker (killed, lease expired) before it fails (1-10); they do not "
-                       "count against --max-attempts.")
+                  help="Attempts a job may lose with its worker (killed, lease expired) before it fails (1-10); "
+                       "they do not count against --max-attempts.")
     @click.option("--priority", type=int, default=0, show_default=True, help="Higher goes first (-1000 to 1000).")
     @click.option("--notify", default=None, metavar="URL",
                   help="POST a JSON summary here when the batch finishes, signed with HMAC-SHA256 of "

@@ -25,9 +25,10 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     flat frames, frozen stretches, cuts, over-exposure, boiling texture, collapse into blur.
 
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
-    A file that cannot be read or checked (missing, a folder, not a video, frames under 16 px a
-    side) gets an error line naming it and why, never a verdict; the other files are still checked, and the exit code is 2. Exits 0
-    when every file was read, whatever the verdicts.
+    A file that cannot be read or checked (missing, a folder, not a video, frames too small to
+    measure) gets an error line naming it and why, never a verdict; the other files are still
+    checked, and the exit code is 2. Exits 0 when every file was read and checked, whatever the
+    verdicts.
 
     \b
     Example:
@@ -43,6 +44,7 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     from clipmill.jobs.core.preflight import BadOption, check_input_file
     from clipmill.pipeline.video import VideoError, decode
     from clipmill.qc import check_frames_with_series
+    from clipmill.qc.check import FrameTooSmall
     from clipmill.qc.report import contact_sheet, explain_lines
 
     unreadable = 0
@@ -51,7 +53,7 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             check_input_file(f)
             frames, fps = decode(f)
             res, series = check_frames_with_series(frames, fps, qc_cfg)
-        except (BadOption, VideoError, ValueError) as e:
+        except (BadOption, VideoError, FrameTooSmall) as e:
             unreadable += 1
             reason = str(e).removeprefix(f"{f}: ")
             if as_json:

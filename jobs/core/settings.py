@@ -1,8 +1,12 @@
-"""Every setting clipmill reads from the environment, read in this one place and typed.
+"""The settings of the runner and the farm, read from the environment in this one place and typed.
 
 ``Settings.from_env()`` reads and checks them all at once; a bad value is an error naming the
-variable, its value and what is allowed. Nothing else in ``clipmill.jobs`` reads
-``os.environ``: the CLI, the Celery app and the workers are handed a ``Settings``.
+variable, its value and what is allowed. The Celery app and the workers are handed a
+``Settings``. Variables that stand for a command-line option are also that option's default
+(click's ``envvar``: ``CLIPMILL_OUT``, ``CLIPMILL_QC_CONFIG``, ``CLIPMILL_DRAWS``, the render-speed
+ones, ``CLIPMILL_MODEL``, ``CLIPMILL_LOG_JSON``, ``CLIPMILL_REVIEW_TOKEN``); outside this table,
+``CLIPMILL_MODEL`` also names the review server's preview model (``jobs/cli/review.py``) and
+``CLIPMILL_TRAIN_DIR`` the training checkpoints (``jobs/cli/train.py``).
 
 | variable | meaning | default |
 |---|---|---|

@@ -70,7 +70,7 @@ class WorkerContext:
         return cls(
             db or Database(settings.database_url),
             device=settings.device or default_device(),
-            qc_config=QCConfig.load(settings.qc_config),
+            qc_config=QCConfig.load(settings.qc_config, name="CLIPMILL_QC_CONFIG"),
             render_options=RenderOptions(feature_cache=settings.feature_cache, decoder=settings.decoder,
                                          compile=settings.compile),
             guidance_mode=settings.guidance_mode,
