@@ -90,6 +90,11 @@ def test_config_from_toml_and_overrides(tmp_path):
     (tmp_path / "bad.toml").write_text("blak_luma = 3\n")
     with pytest.raises(ValueError, match="unknown QC setting 'blak_luma'; known: max_side, black_luma"):
         QCConfig.load(tmp_path / "bad.toml")
+    with pytest.raises(ValueError, match=r"^--qc-config '.*missing.toml': no such file$"):
+        QCConfig.load(tmp_path / "missing.toml")
+    (tmp_path / "broken.toml").write_text("black_luma = \n")
+    with pytest.raises(ValueError, match=r"^CLIPMILL_QC_CONFIG '.*broken.toml': not valid TOML \("):
+        QCConfig.load(tmp_path / "broken.toml", name="CLIPMILL_QC_CONFIG")
     frames = pan()
     frames[20:26] = 20  # dark but not black by default
     assert check_frames(frames, 24).verdict == "pass" or "black" not in " ".join(check_frames(frames, 24).reasons)
