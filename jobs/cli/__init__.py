@@ -23,8 +23,7 @@ from clipmill.jobs.cli import batch, bench, farm, media, review, train
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="clipmill")
 @click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-@click.option("--log-json", is_flag=True, envvar="CLIPMILL_LOG_JSON", show_envvar=True,
-              help="Log one JSON object per line, with batch/job/attempt ids.")
+@click.option("--log-json", is_flag=True, envvar="CLIPMILL_LOG_JSON", help="Log one JSON object per line, with batch/job/attempt ids.")
 def main(verbose: int, log_json: bool) -> None:
     """Bulk-render short ad clips from prompt batches, check them, and store them.
 

@@ -116,18 +116,15 @@ def send_to_farm(db, job_ids: list[int]) -> None:
 @batch_options
 @submit_options
 @qc_config_options
-@click.option("--feature-cache/--no-feature-cache", default=False, envvar="CLIPMILL_FEATURE_CACHE", show_envvar=True,
-              show_default=True,
+@click.option("--feature-cache/--no-feature-cache", default=False, envvar="CLIPMILL_FEATURE_CACHE", show_default=True,
               help="Approximate step-feature caching (DeepCache on AnimateDiff, FirstBlockCache on Wan); see README.")
 @click.option("--guidance-mode", type=click.Choice(["cfg", "rcfg-self", "rcfg-onetime"]), default="cfg",
-              envvar="CLIPMILL_GUIDANCE_MODE", show_envvar=True,
-              show_default=True, help="How guidance above 1.0 is computed.")
-@click.option("--decoder", type=click.Choice(["vae", "tiny"]), default="vae", envvar="CLIPMILL_DECODER", show_envvar=True,
-              show_default=True,
+              envvar="CLIPMILL_GUIDANCE_MODE", show_default=True, help="How guidance above 1.0 is computed.")
+@click.option("--decoder", type=click.Choice(["vae", "tiny"]), default="vae", envvar="CLIPMILL_DECODER", show_default=True,
               help="tiny: the model folder's AutoencoderTiny (vae_tiny/), faster and rougher.")
 @click.option("--compile", "compile_how", type=click.Choice(["none", "torch", "tensorrt"]), default="none",
-              envvar="CLIPMILL_COMPILE", show_envvar=True, show_default=True, help="Compile the denoiser (GPU only).")
-@click.option("--draws", type=click.IntRange(1, MAX_DRAWS), default=DEFAULT_DRAWS, envvar="CLIPMILL_DRAWS", show_envvar=True,
+              envvar="CLIPMILL_COMPILE", show_default=True, help="Compile the denoiser (GPU only).")
+@click.option("--draws", type=click.IntRange(1, MAX_DRAWS), default=DEFAULT_DRAWS, envvar="CLIPMILL_DRAWS",
               show_default=True,
               help="Renders a clip of a shapes-world model may take: a clip the world's analyzer does not read "
                    "clearly as its prompt asks (a wrong word, or motion or camera too near a boundary) is rendered "

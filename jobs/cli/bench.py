@@ -61,7 +61,7 @@ from clipmill.pipeline.models import SHAPES, ModelError
               help="--review: jobs in the batch opened.")
 @click.option("--table-jobs", type=click.IntRange(100, 1_000_000), default=100_000, show_default=True,
               help="--review: jobs in the whole table (the batch and other batches).")
-@click.option("--pg", "pg_url", envvar="CLIPMILL_BENCH_PG_URL", show_envvar=True, default=None, metavar="URL",
+@click.option("--pg", "pg_url", envvar="CLIPMILL_BENCH_PG_URL", default=None, metavar="URL",
               help="--review: also time pages on this PostgreSQL (a schema of its own, dropped afterwards).")
 @click.option("--preview", is_flag=True,
               help="Instead of the ladder: the streaming preview on the shapes model: time to first frame, frames per "

@@ -89,7 +89,7 @@ def warn(message: str) -> None:
 def batch_options(fn):
     """Options shared by run, submit and prompts check."""
 
-    @click.option("--model", default=SHAPES, show_default=True, envvar="CLIPMILL_MODEL", show_envvar=True,
+    @click.option("--model", default=SHAPES, show_default=True, envvar="CLIPMILL_MODEL",
                   help="'shapes' (built in, trained on the shapes world: see README), 'tiny' or 'tiny-wan' (random "
                        "weights, smoke runs only), or a local diffusers AnimateDiff or Wan folder.")
     @click.option("--template", default=None,
@@ -131,7 +131,7 @@ def batch_options(fn):
 def submit_options(fn):
     """Options that only matter once jobs are written."""
 
-    @click.option("--out", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT", show_envvar=True,
+    @click.option("--out", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT",
                   help="Storage root: clips go under OUT/BATCH/JOB/.")
     @click.option("--batch", "batch_name", default=None, help="Batch name [default: FILE's stem and the time].")
     @click.option("--skip-invalid", is_flag=True, help="Submit the valid rows and list the invalid ones (default: all or nothing).")
@@ -163,8 +163,7 @@ def qc_config_options(fn):
     """--qc-config FILE and --set KEY=VALUE, turned into a qc.QCConfig."""
 
     @click.option("--qc-config", "qc_config", type=click.Path(dir_okay=False), default=None,
-                  envvar="CLIPMILL_QC_CONFIG", show_envvar=True,
-                  help="TOML file of QC thresholds (keys of qc.QCConfig).")
+                  envvar="CLIPMILL_QC_CONFIG", help="TOML file of QC thresholds (keys of qc.QCConfig).")
     @click.option("--set", "qc_set", multiple=True, metavar="KEY=VALUE", help="Override one QC threshold; repeatable.")
     @functools.wraps(fn)
     def wrapper(*args, qc_config, qc_set, **kw):

@@ -153,7 +153,7 @@ def retry(target, failed, rejected, cancelled):
 @click.command()
 @click.option("--deadline", required=True,
               help="HH:MM (next such time in CLIPMILL_TIMEZONE, default this host's zone), +SECONDS, or an ISO date-time.")
-@click.option("--out", "out_root", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT", show_envvar=True,
+@click.option("--out", "out_root", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT",
               help="Storage root; the report goes to OUT/reports/nightly-DATE.{md,json}.")
 @click.option("--interval", type=float, default=30.0, show_default=True, help="Farm mode: seconds between checks.")
 @click.option("--group-size", type=click.IntRange(1, 16), default=4, show_default=True, help="Embedded mode: jobs per render call.")

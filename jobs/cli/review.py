@@ -15,7 +15,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 @click.argument("batch", required=False)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs a token.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--token", envvar="CLIPMILL_REVIEW_TOKEN", show_envvar=True, default=None,
+@click.option("--token", envvar="CLIPMILL_REVIEW_TOKEN", default=None,
               help="Require this token (open /?token=TOKEN once, or send 'Authorization: Bearer TOKEN').")
 def review(batch, host, port, token):
     """Serve the review page: play QC survivors, approve (a) or decline (d), move with j/k.
@@ -82,7 +82,7 @@ def _serve(db, host: str, port: int, token: str | None, batch: str | None, model
 
 @click.command()
 @click.argument("prompt")
-@click.option("--model", default="shapes", show_default=True, envvar="CLIPMILL_MODEL", show_envvar=True,
+@click.option("--model", default="shapes", show_default=True, envvar="CLIPMILL_MODEL",
               help="An AnimateDiff-family model: 'shapes' (built in), 'tiny' or a local folder.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 def preview(prompt, model, port):
