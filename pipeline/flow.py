@@ -30,8 +30,9 @@ def chroma_pair(a: np.ndarray, b: np.ndarray, spread: float = 40.0, max_gain: fl
     """RGB uint8 frames ``a`` and ``b`` as (Lab a, Lab b, chroma a, chroma b): the Lab frames
     (float32) and each frame's chroma projected on the pair's main chroma axis about the
     pair's mean chroma (128 in the image), stretched so that its std is about ``spread``
-    levels (at most ``max_gain`` times), as uint8 images a flow can follow. An object of about its background's luma (a green square on mid-grey) has
-    little luma edge but a strong one here."""
+    levels (at most ``max_gain`` times), as uint8 images a flow can follow. An object of about
+    its background's luma (a green square on mid-grey) has little luma edge but a strong one
+    here."""
     if a.dtype != np.uint8 or b.dtype != np.uint8 or a.shape != b.shape or a.ndim != 3 or a.shape[-1] != 3:
         raise ValueError(f"chroma_pair: frames must be uint8 RGB (H, W, 3) of one size, got {a.dtype} {a.shape} and "
                          f"{b.dtype} {b.shape} (float Lab has no +128 offset)")

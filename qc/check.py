@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clipmill.qc.metrics import Series, measure, runs
+from clipmill.qc.metrics import Series, measure, runs, working_size
 
 
 @dataclass(frozen=True)
@@ -385,9 +385,9 @@ def check_frames_with_series(frames: np.ndarray, fps: float, cfg: QCConfig = QCC
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or len(frames) == 0:
         raise ValueError(f"frames: expected (F, H, W, 3) uint8 with F >= 1, got {frames.shape} {frames.dtype}")
     h, w = frames.shape[1:3]
-    k = -(-max(h, w) // cfg.max_side)  # measure's integer shrink factor (metrics.working_copy)
-    if min(h // k, w // k) < MIN_SIDE:
-        shrunk = f", {w // k}x{h // k} once shrunk to at most max_side {cfg.max_side} px" if k > 1 else ""
+    ws, hs, k = working_size(h, w, cfg.max_side)
+    if min(ws, hs) < MIN_SIDE:
+        shrunk = f", {ws}x{hs} once shrunk to at most max_side {cfg.max_side} px" if k > 1 else ""
         raise FrameTooSmall(f"frames of {w}x{h} px{shrunk}: QC needs at least {MIN_SIDE} px a side "
                             "(its optical flow cannot follow less)")
     t0 = time.perf_counter()

@@ -70,12 +70,19 @@ class Series:
                 if isinstance(v, np.ndarray) and v.ndim == 1}
 
 
+def working_size(h: int, w: int, max_side: int) -> tuple[int, int, int]:
+    """(width, height, k) of the working copy of an h x w frame: shrunk by the integer factor k
+    (OpenCV's fast area path) to at most ``max_side`` px a side. check_frames refuses frames
+    whose working copy is under check.MIN_SIDE a side."""
+    k = -(-max(h, w) // max_side)
+    return w // k, h // k, k
+
+
 def working_copy(frames: np.ndarray, max_side: int) -> tuple[np.ndarray, np.ndarray, float]:
     """(gray float32 (F, h, w), small RGB uint8 (F, h, w, 3), scale)."""
     f, h, w = frames.shape[:3]
-    k = int(np.ceil(max(h, w) / max_side))  # an integer factor takes OpenCV's fast area path
-    scale = 1.0 / k
-    size = (w // k, h // k)  # at least check.MIN_SIDE a side: check_frames refuses smaller frames
+    ws, hs, k = working_size(h, w, max_side)
+    size, scale = (ws, hs), 1.0 / k
     small = np.empty((f, size[1], size[0], 3), np.uint8)
 
     def shrink(i: int) -> None:
