@@ -35,6 +35,11 @@ BOIL_SAMPLES = 12  # frames sampled per clip
 BOIL_COLOUR_BLUR = 3.0  # px (Gaussian sigma) before the colour edges' gradient
 BOIL_FLOW_PRESET = "fast"  # DIS preset of the boiling test's flow
 BOIL_VALID_SHARE = 0.7  # a window is measured when more than this share of it is not a flow failure
+# At a content edge the band-pass residual of a misplaced or re-drawn edge (sub-pixel placement,
+# interpolation ghosts, codec ringing) varies across the edge only; boiling texture varies every
+# way. There the band-pass energy is counted as twice its part along the edge (:func:`_isotropic_band`):
+# an edge weighs g / (g + BOIL_EDGE_NOISE), g its squared content gradient (luma^2/px^2)
+BOIL_EDGE_NOISE = 8.0
 # Under a fast camera move the pair is taken closer than boil_seconds apart, so that the content
 # shifts at most this far (working-size px) between its two frames: DIS loses fine texture over
 # longer shifts, and that residual read as boiling (pans over brick from 7 px/frame at 24 fps,
@@ -159,6 +164,28 @@ def colour_edges(rgb: np.ndarray) -> np.ndarray:
     return ((gx * gx + gy * gy) / 64).max(axis=-1)
 
 
+def _isotropic_band(band: np.ndarray, content: list[np.ndarray], box: tuple[int, int]) -> np.ndarray:
+    """Band-pass energy of ``band`` averaged over ``box``, where content edges are counted by
+    the part of it that does not follow them: the structure tensor of the ``content`` images
+    (float32, blurred) gives each pixel's edge normal and strength; at an edge, the energy is
+    scaled by twice the share of the band's gradient energy along the edge (1 for texture that
+    varies every way, near 0 for a residual that varies across the edge only), at most 1."""
+    jxx = jyy = jxy = 0.0
+    for ch in content:
+        gx, gy = cv2.Sobel(ch, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(ch, cv2.CV_32F, 0, 1, ksize=3) / 8
+        jxx, jyy, jxy = jxx + gx * gx, jyy + gy * gy, jxy + gx * gy
+    half = 0.5 * (jxx + jyy)
+    strength = half + np.sqrt(np.maximum(half * half - (jxx * jyy - jxy * jxy), 0.0))  # largest eigenvalue
+    theta = 0.5 * np.arctan2(2 * jxy, jxx - jyy)  # edge normal
+    nx, ny = np.cos(theta), np.sin(theta)
+    bx, by = cv2.Sobel(band, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(band, cv2.CV_32F, 0, 1, ksize=3) / 8
+    along, across = (by * nx - bx * ny) ** 2, (bx * nx + by * ny) ** 2
+    w = strength / (strength + BOIL_EDGE_NOISE)
+    iso = np.minimum(1.0, 2 * cv2.blur(w * along, box) / (cv2.blur(w * (along + across), box) + 1e-6))
+    e = band * band
+    return cv2.blur((1 - w) * e, box) + cv2.blur(w * e, box) * iso
+
+
 def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
                 edges: tuple[np.ndarray, np.ndarray] | None = None,
                 rgb: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
@@ -175,6 +202,7 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
        b warped onto a, residual r = a - warp(b), less a local sub-pixel shift;
     2. residuals above BOIL_FAIL (a flow failure) are left out with their neighbourhood;
     3. r split into a fine band F (< BOIL_FINE px) and a band-pass B (BOIL_FINE..BOIL_COARSE);
+       at content edges B's energy counts by its part along the edge (:func:`_isotropic_band`);
     4. excess = (mean(B^2) - BOIL_GRAIN_SHARE * mean(F^2)) / max(valid share, 0.3)
        - BOIL_EDGE * mean(E) over the window, where E is the squared gradient of the pair's mean
        blurred at 3 px (content edges without the texture), or the colour edges where larger:
@@ -199,7 +227,11 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
         grad2 = np.maximum(grad2, np.maximum(edges[0], warp(edges[1], fl)))
     box = (BOIL_WINDOW, BOIL_WINDOW)
     share = cv2.blur(valid, box)
-    excess = (cv2.blur(band * band, box) - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
+    # the edges' directions: luma, and each colour channel (an edge luma does not show)
+    content = [g] if rgb is None else [g, *(cv2.GaussianBlur(rgb[0][..., c].astype(np.float32), (0, 0), 3.0)
+                                           for c in range(3))]
+    band_energy = _isotropic_band(band, content, box)
+    excess = (band_energy - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
     excess -= BOIL_EDGE * cv2.blur(grad2, box)
     return np.where(share > BOIL_VALID_SHARE, excess, np.nan)
 

@@ -27,6 +27,31 @@ def test_boiling_set_on_unseen_seeds():
     assert old["catch_rate"] <= 0.2
 
 
+def test_band_energy_at_an_edge_counts_what_does_not_follow_it():
+    """A residual that varies across an edge only (the same edge placed 0.4 px apart: sub-pixel
+    placement, an interpolation ghost) hardly counts at the edge; texture that re-rolls there
+    (band-pass noise, varying every way) keeps its energy; away from edges nothing changes."""
+    import cv2
+
+    from clipmill.qc import metrics
+
+    def band(r):
+        return cv2.GaussianBlur(r, (0, 0), metrics.BOIL_FINE) - cv2.GaussianBlur(r, (0, 0), metrics.BOIL_COARSE)
+
+    x = np.arange(96, dtype=np.float32)
+    edge = lambda at: np.tile(np.clip(x - at, -1, 1) * 60 + 128, (96, 1))  # noqa: E731 - a vertical edge
+    content = [cv2.GaussianBlur(edge(48), (0, 0), 3.0)]
+    box = (metrics.BOIL_WINDOW, metrics.BOIL_WINDOW)
+    at_edge, flat = (slice(30, 66), slice(44, 53)), (slice(30, 66), slice(5, 20))
+    misplaced = band(edge(48) - edge(48.4))
+    plain, iso = cv2.blur(misplaced**2, box), metrics._isotropic_band(misplaced, content, box)
+    assert iso[at_edge].mean() < 0.1 * plain[at_edge].mean()
+    texture = band(4.0 * bandpass_noise((96, 96), 1.5, np.random.default_rng(3)))
+    plain, iso = cv2.blur(texture**2, box), metrics._isotropic_band(texture, content, box)
+    assert iso[at_edge].mean() > 0.7 * plain[at_edge].mean()
+    assert np.allclose(iso[flat], plain[flat], rtol=0.02)
+
+
 def test_heavy_grain_passes_and_faint_boiling_in_a_region_is_named():
     rng = np.random.default_rng(11)
     clean = camera_move(photo("coffee"), "static", 24, (256, 144), rng).astype(np.float32)

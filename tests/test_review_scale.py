@@ -39,14 +39,14 @@ def _serve(tmp_path, db_url: str, batch: str):
 
 def test_qc_margin_is_the_nearest_limit_and_reasons_have_kinds():
     ok = {"luma_min": 60, "spread_min": 20, "ssim_min": 0.8, "residual_median": 1.0, "residual_max": 6.0,
-          "boiling": 1.3, "ssim_mean": 0.9, "sharpness_ratio": 0.9}
+          "boiling": 0.75, "ssim_mean": 0.9, "sharpness_ratio": 0.9}
     m = margins(ok)
     assert m == {"black": 4.0, "uniform": 5.6667, "pair_ssim": 0.6, "residual": 0.5, "boiling": 0.5, "median_ssim": 0.5,
                  "blur": 0.5}
     assert risk(ok) == (0.5, "residual")  # the nearest limit (the first of a tie)
-    at_limit = dict(ok, boiling=2.6)
+    at_limit = dict(ok, boiling=1.5)
     assert risk(at_limit) == (0.0, "boiling")
-    assert risk(dict(ok, boiling=3.9))[0] < 0  # past the limit: negative
+    assert risk(dict(ok, boiling=2.25))[0] < 0  # past the limit: negative
     assert risk({}) == (None, None)
     assert reason_kinds(["boiling: frames 0-23 (...)", "flicker: frames 1-4 (...)", "boiling: again"]) == ["boiling", "flicker"]
 

@@ -38,7 +38,7 @@ from clipmill.pipeline.video import encode_h264, poster_jpeg
 from clipmill.qc.margin import risk
 
 REASONS = {
-    "boiling": "boiling: frames 0-23 (fine texture re-rolls over 1.5% of the frame or more: band-pass residual 4.1 > 2.6 above the clip's noise floor)",
+    "boiling": "boiling: frames 0-23 (fine texture re-rolls over 1.5% of the frame or more: band-pass residual 2.4 > 1.5 above the clip's noise floor)",
     "flicker": "flicker: frames 3-11 (mean luma swings up to 6.2 > 2.5, alternating)",
     "black": "black: frames 0-4 (mean luma 3.1 < 12.0)",
     "frozen": "frozen: frames 8-17 (10 frames, 0.33 s, in a clip moving 1.20 px/frame)",
