@@ -38,7 +38,9 @@ BOIL_VALID_SHARE = 0.7  # a window is measured when more than this share of it i
 # At a content edge the band-pass residual of a misplaced or re-drawn edge (sub-pixel placement,
 # interpolation ghosts, codec ringing) varies across the edge only; boiling texture varies every
 # way. There the band-pass energy is counted as twice its part along the edge (:func:`_isotropic_band`):
-# an edge weighs g / (g + BOIL_EDGE_NOISE), g its squared content gradient (luma^2/px^2)
+# an edge weighs g / (g + BOIL_EDGE_NOISE), g its squared content gradient (luma^2/px^2) summed
+# over the blurred luma and the frame's three colour channels (a neutral edge's luma gradient
+# counts about 4 times, so it weighs half at a luma gradient of about 1.4 levels/px)
 BOIL_EDGE_NOISE = 8.0
 # Under a fast camera move the pair is taken closer than boil_seconds apart, so that the content
 # shifts at most this far (working-size px) between its two frames: DIS loses fine texture over
@@ -195,7 +197,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     warped onto ``a`` with the same flow as ``b`` itself, so that under a pan or a zoom they lie
     where ``b``'s content does in the residual.
 
-    ``rgb`` (the RGB frames ``a`` and ``b`` were made from) lets the flow follow colour too.
+    ``rgb`` (the RGB frames ``a`` and ``b`` were made from) lets the flow follow colour too, and
+    ``a``'s colour channels give edges that luma does not show their direction (step 3).
 
     1. flow a -> b (DIS on luma; with ``rgb`` and BOIL_CHROMA_FLOW, a chroma flow kept per pixel
        where it explains the colour frames better, :func:`~clipmill.pipeline.flow.colour_flow`),
@@ -228,8 +231,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     box = (BOIL_WINDOW, BOIL_WINDOW)
     share = cv2.blur(valid, box)
     # the edges' directions: luma, and each colour channel (an edge luma does not show)
-    content = [g] if rgb is None else [g, *(cv2.GaussianBlur(rgb[0][..., c].astype(np.float32), (0, 0), 3.0)
-                                           for c in range(3))]
+    content = [g] if rgb is None else [g, *(cv2.GaussianBlur(rgb[0][..., c].astype(np.float32), (0, 0),
+                                                             BOIL_COLOUR_BLUR) for c in range(3))]
     band_energy = _isotropic_band(band, content, box)
     excess = (band_energy - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
     excess -= BOIL_EDGE * cv2.blur(grad2, box)

@@ -30,7 +30,9 @@ def test_boiling_set_on_unseen_seeds():
 def test_band_energy_at_an_edge_counts_what_does_not_follow_it():
     """A residual that varies across an edge only (the same edge placed 0.4 px apart: sub-pixel
     placement, an interpolation ghost) hardly counts at the edge; texture that re-rolls there
-    (band-pass noise, varying every way) keeps its energy; away from edges nothing changes."""
+    (band-pass noise, varying every way) keeps its energy; away from edges nothing changes.
+    The edge is slanted (30 degrees) and coloured, and its direction comes from luma and the
+    three colour channels, as in ``boiling_map``."""
     import cv2
 
     from clipmill.qc import metrics
@@ -38,18 +40,27 @@ def test_band_energy_at_an_edge_counts_what_does_not_follow_it():
     def band(r):
         return cv2.GaussianBlur(r, (0, 0), metrics.BOIL_FINE) - cv2.GaussianBlur(r, (0, 0), metrics.BOIL_COARSE)
 
-    x = np.arange(96, dtype=np.float32)
-    edge = lambda at: np.tile(np.clip(x - at, -1, 1) * 60 + 128, (96, 1))  # noqa: E731 - a vertical edge
-    content = [cv2.GaussianBlur(edge(48), (0, 0), 3.0)]
+    yy, xx = np.mgrid[0:128, 0:128].astype(np.float32)
+    across = (xx - 64) * np.cos(np.pi / 6) + (yy - 64) * np.sin(np.pi / 6)  # distance from the edge, px
+
+    def frame(offset):  # a red-on-blue edge, as RGB float32
+        s = np.clip(across - offset, -1, 1)
+        return np.dstack([128 + 80 * s, 100 + 10 * s, 140 - 60 * s]).astype(np.float32)
+
+    rgb = frame(0.0)
+    luma = rgb @ np.array([0.299, 0.587, 0.114], np.float32)
+    content = [cv2.GaussianBlur(luma, (0, 0), 3.0),
+               *(cv2.GaussianBlur(rgb[..., c], (0, 0), metrics.BOIL_COLOUR_BLUR) for c in range(3))]
     box = (metrics.BOIL_WINDOW, metrics.BOIL_WINDOW)
-    at_edge, flat = (slice(30, 66), slice(44, 53)), (slice(30, 66), slice(5, 20))
-    misplaced = band(edge(48) - edge(48.4))
+    near = (np.abs(across) < 3) & (np.abs(xx - 64) < 30) & (np.abs(yy - 64) < 30)
+    far = (across < -25) & (xx > 8) & (yy > 8)
+    misplaced = band(luma - frame(0.4) @ np.array([0.299, 0.587, 0.114], np.float32))
     plain, iso = cv2.blur(misplaced**2, box), metrics._isotropic_band(misplaced, content, box)
-    assert iso[at_edge].mean() < 0.1 * plain[at_edge].mean()
-    texture = band(4.0 * bandpass_noise((96, 96), 1.5, np.random.default_rng(3)))
+    assert iso[near].mean() < 0.1 * plain[near].mean()
+    texture = band(4.0 * bandpass_noise((128, 128), 1.5, np.random.default_rng(3)))
     plain, iso = cv2.blur(texture**2, box), metrics._isotropic_band(texture, content, box)
-    assert iso[at_edge].mean() > 0.7 * plain[at_edge].mean()
-    assert np.allclose(iso[flat], plain[flat], rtol=0.02)
+    assert iso[near].mean() > 0.7 * plain[near].mean()
+    assert np.allclose(iso[far], plain[far], rtol=0.02)
 
 
 def test_heavy_grain_passes_and_faint_boiling_in_a_region_is_named():
