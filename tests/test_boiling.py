@@ -47,14 +47,15 @@ def test_band_energy_at_an_edge_counts_what_does_not_follow_it():
         s = np.clip(across - offset, -1, 1)
         return np.dstack([128 + 80 * s, 100 + 10 * s, 140 - 60 * s]).astype(np.float32)
 
+    to_luma = np.array([0.299, 0.587, 0.114], np.float32)
     rgb = frame(0.0)
-    luma = rgb @ np.array([0.299, 0.587, 0.114], np.float32)
+    luma = rgb @ to_luma
     content = [cv2.GaussianBlur(luma, (0, 0), 3.0),
                *(cv2.GaussianBlur(rgb[..., c], (0, 0), metrics.BOIL_COLOUR_BLUR) for c in range(3))]
     box = (metrics.BOIL_WINDOW, metrics.BOIL_WINDOW)
     near = (np.abs(across) < 3) & (np.abs(xx - 64) < 30) & (np.abs(yy - 64) < 30)
     far = (across < -25) & (xx > 8) & (yy > 8)
-    misplaced = band(luma - frame(0.4) @ np.array([0.299, 0.587, 0.114], np.float32))
+    misplaced = band(luma - frame(0.4) @ to_luma)
     plain, iso = cv2.blur(misplaced**2, box), metrics._isotropic_band(misplaced, content, box)
     assert iso[near].mean() < 0.1 * plain[near].mean()
     texture = band(4.0 * bandpass_noise((128, 128), 1.5, np.random.default_rng(3)))
