@@ -156,26 +156,39 @@ def _lk_residual(r: np.ndarray, ref: np.ndarray, window: int, reg: float = 4.0) 
     return r - gx * (syy * sxr - sxy * syr) / det - gy * (sxx * syr - sxy * sxr) / det
 
 
-def colour_edges(rgb: np.ndarray) -> np.ndarray:
-    """Squared gradient of a (h, w, 3) uint8 frame, the largest over its three channels, on
-    the same scale as the luma gradient ``boiling_map`` allows for: the edges that luma does not
-    show (a saturated object on a background of about its brightness), where the luma flow
-    cannot follow the content and leaves a residual that is not boiling."""
+def structure_tensor(image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The structure tensor (gx^2, gy^2, gx*gy) of a float32 (h, w) or (h, w, c) image, summed
+    over its channels; gradients in levels/px (3x3 Sobel over 8)."""
+    gx, gy = cv2.Sobel(image, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(image, cv2.CV_32F, 0, 1, ksize=3) / 8
+    jxx, jyy, jxy = gx * gx, gy * gy, gx * gy
+    if image.ndim == 3:
+        jxx, jyy, jxy = jxx.sum(axis=-1), jyy.sum(axis=-1), jxy.sum(axis=-1)
+    return jxx, jyy, jxy
+
+
+def colour_gradients(rgb: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """A (h, w, 3) uint8 frame's colour gradients, blurred at BOIL_COLOUR_BLUR, computed once for
+    both of their uses: (edges, tensor).
+
+    ``edges``: the squared gradient, the largest over the three channels, on the same scale as the
+    luma gradient ``boiling_map`` allows for: the edges that luma does not show (a saturated object
+    on a background of about its brightness), where the luma flow cannot follow the content and
+    leaves a residual that is not boiling. ``tensor``: the three channels' structure tensor, which
+    gives those edges their direction (:func:`_isotropic_band`)."""
     g = cv2.GaussianBlur(rgb.astype(np.float32), (0, 0), BOIL_COLOUR_BLUR)
-    gx, gy = cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3), cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3)
-    return ((gx * gx + gy * gy) / 64).max(axis=-1)
+    gx, gy = cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3) / 8
+    jxx, jyy = gx * gx, gy * gy
+    return (jxx + jyy).max(axis=-1), (jxx.sum(axis=-1), jyy.sum(axis=-1), (gx * gy).sum(axis=-1))
 
 
-def _isotropic_band(band: np.ndarray, content: list[np.ndarray], box: tuple[int, int]) -> np.ndarray:
+def _isotropic_band(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    box: tuple[int, int]) -> np.ndarray:
     """Band-pass energy of ``band`` averaged over ``box``, where content edges are counted by
-    the part of it that does not follow them: the structure tensor of the ``content`` images
-    (float32, blurred) gives each pixel's edge normal and strength; at an edge, the energy is
-    scaled by twice the share of the band's gradient energy along the edge (1 for texture that
+    the part of it that does not follow them: the content's structure ``tensor`` (jxx, jyy, jxy;
+    :func:`structure_tensor`) gives each pixel's edge normal and strength; at an edge, the energy
+    is scaled by twice the share of the band's gradient energy along the edge (1 for texture that
     varies every way, near 0 for a residual that varies across the edge only), at most 1."""
-    jxx = jyy = jxy = 0.0
-    for ch in content:
-        gx, gy = cv2.Sobel(ch, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(ch, cv2.CV_32F, 0, 1, ksize=3) / 8
-        jxx, jyy, jxy = jxx + gx * gx, jyy + gy * gy, jxy + gx * gy
+    jxx, jyy, jxy = tensor
     half = 0.5 * (jxx + jyy)
     strength = half + np.sqrt(np.maximum(half * half - (jxx * jyy - jxy * jxy), 0.0))  # largest eigenvalue
     theta = 0.5 * np.arctan2(2 * jxy, jxx - jyy)  # edge normal
@@ -190,15 +203,18 @@ def _isotropic_band(band: np.ndarray, content: list[np.ndarray], box: tuple[int,
 
 def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
                 edges: tuple[np.ndarray, np.ndarray] | None = None,
-                rgb: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                rgb: tuple[np.ndarray, np.ndarray] | None = None,
+                colour_tensor: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Per pixel of ``a`` (float32 gray): band-pass energy of the motion-compensated residual
     against ``b`` above what grain and content edges explain, luma^2, averaged over a local window.
-    ``edges`` are the colour edges (:func:`colour_edges`) of ``a`` and of ``b``; ``b``'s are
+    ``edges`` are the colour edges (:func:`colour_gradients`) of ``a`` and of ``b``; ``b``'s are
     warped onto ``a`` with the same flow as ``b`` itself, so that under a pan or a zoom they lie
     where ``b``'s content does in the residual.
 
     ``rgb`` (the RGB frames ``a`` and ``b`` were made from) lets the flow follow colour too, and
-    ``a``'s colour channels give edges that luma does not show their direction (step 3).
+    ``a``'s colour channels give edges that luma does not show their direction (step 3);
+    ``colour_tensor`` is their structure tensor where the caller has it already
+    (:func:`colour_gradients`), else it is computed from ``rgb``.
 
     1. flow a -> b (DIS on luma; with ``rgb`` and BOIL_CHROMA_FLOW, a chroma flow kept per pixel
        where it explains the colour frames better, :func:`~clipmill.pipeline.flow.colour_flow`),
@@ -231,9 +247,11 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     box = (BOIL_WINDOW, BOIL_WINDOW)
     share = cv2.blur(valid, box)
     # the edges' directions: luma, and each colour channel (an edge luma does not show)
-    content = [g] if rgb is None else [g, *(cv2.GaussianBlur(rgb[0][..., c].astype(np.float32), (0, 0),
-                                                             BOIL_COLOUR_BLUR) for c in range(3))]
-    band_energy = _isotropic_band(band, content, box)
+    tensor = structure_tensor(g)
+    if rgb is not None:
+        colour = colour_gradients(rgb[0])[1] if colour_tensor is None else colour_tensor
+        tensor = tuple(t + c for t, c in zip(tensor, colour))
+    band_energy = _isotropic_band(band, tensor, box)
     excess = (band_energy - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
     excess -= BOIL_EDGE * cv2.blur(grad2, box)
     return np.where(share > BOIL_VALID_SHARE, excess, np.nan)
@@ -293,12 +311,18 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
             # 2/60 rejected instead of 0/60; held-out boil set 45 caught instead of 42). The other
             # frame's are warped with the flow (until the fifteenth session they were not, so under
             # a camera move they excused the wrong places: README, Boiling)
-            edges = None if rgb is None else {o: colour_edges(rgb[o]) for o in (i, i + k, i - k) if 0 <= o < n}
-            pair = (lambda o: None) if edges is None else (lambda o: (edges[i], edges[o]))
-            colour = (lambda o: None) if rgb is None else (lambda o: (rgb[i], rgb[o]))
-            m = boiling_map(gray[i], gray[i + k], flow, pair(i + k), colour(i + k))
+            # (each frame's colour gradients are computed once: colour_gradients)
+            grads = None if rgb is None else {o: colour_gradients(rgb[o]) for o in (i, i + k, i - k) if 0 <= o < n}
+            tensor = None if grads is None else grads[i][1]
+
+            def side(o: int) -> np.ndarray:
+                if grads is None:
+                    return boiling_map(gray[i], gray[o], flow)
+                return boiling_map(gray[i], gray[o], flow, (grads[i][0], grads[o][0]), (rgb[i], rgb[o]), tensor)
+
+            m = side(i + k)
             if both:  # a window left out on one side (a flow failure, an occlusion) is read on the other
-                m = np.fmin(m, boiling_map(gray[i], gray[i - k], flow, pair(i - k), colour(i - k)))
+                m = np.fmin(m, side(i - k))
             m = np.nan_to_num(m, nan=0.0)
             scores[j] = np.quantile(m[inner], 1.0 - area)
 

@@ -50,16 +50,16 @@ def test_band_energy_at_an_edge_counts_what_does_not_follow_it():
     to_luma = np.array([0.299, 0.587, 0.114], np.float32)
     rgb = frame(0.0)
     luma = rgb @ to_luma
-    content = [cv2.GaussianBlur(luma, (0, 0), 3.0),
-               *(cv2.GaussianBlur(rgb[..., c], (0, 0), metrics.BOIL_COLOUR_BLUR) for c in range(3))]
+    tensor = tuple(t + c for t, c in zip(metrics.structure_tensor(cv2.GaussianBlur(luma, (0, 0), 3.0)),
+                                         metrics.colour_gradients(rgb)[1]))
     box = (metrics.BOIL_WINDOW, metrics.BOIL_WINDOW)
     near = (np.abs(across) < 3) & (np.abs(xx - 64) < 30) & (np.abs(yy - 64) < 30)
     far = (across < -25) & (xx > 8) & (yy > 8)
     misplaced = band(luma - frame(0.4) @ to_luma)
-    plain, iso = cv2.blur(misplaced**2, box), metrics._isotropic_band(misplaced, content, box)
+    plain, iso = cv2.blur(misplaced**2, box), metrics._isotropic_band(misplaced, tensor, box)
     assert iso[near].mean() < 0.1 * plain[near].mean()
     texture = band(4.0 * bandpass_noise((128, 128), 1.5, np.random.default_rng(3)))
-    plain, iso = cv2.blur(texture**2, box), metrics._isotropic_band(texture, content, box)
+    plain, iso = cv2.blur(texture**2, box), metrics._isotropic_band(texture, tensor, box)
     assert iso[near].mean() > 0.7 * plain[near].mean()
     assert np.allclose(iso[far], plain[far], rtol=0.02)
 
