@@ -144,11 +144,15 @@ def sharpness_trend(frames: np.ndarray, dx: np.ndarray, dy: np.ndarray, zoom: np
     return np.interp(np.arange(n), idx, out)
 
 
+def gradient(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(gx, gy) of a float32 image (any number of channels), in levels/px: 3x3 Sobel over 8."""
+    return cv2.Sobel(image, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(image, cv2.CV_32F, 0, 1, ksize=3) / 8
+
+
 def _lk_residual(r: np.ndarray, ref: np.ndarray, window: int, reg: float = 4.0) -> np.ndarray:
     """``r`` less what a small local shift of ``ref`` explains (one Lucas-Kanade step per window):
     the flow's sub-pixel misregistration of real detail is not texture that re-rolls."""
-    gx = cv2.Sobel(ref, cv2.CV_32F, 1, 0, ksize=3) / 8
-    gy = cv2.Sobel(ref, cv2.CV_32F, 0, 1, ksize=3) / 8
+    gx, gy = gradient(ref)
     box = (window, window)
     sxx, syy, sxy = cv2.blur(gx * gx, box) + reg, cv2.blur(gy * gy, box) + reg, cv2.blur(gx * gy, box)
     sxr, syr = cv2.blur(gx * r, box), cv2.blur(gy * r, box)
@@ -158,8 +162,8 @@ def _lk_residual(r: np.ndarray, ref: np.ndarray, window: int, reg: float = 4.0) 
 
 def structure_tensor(image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The structure tensor (gx^2, gy^2, gx*gy) of a float32 (h, w) or (h, w, c) image, summed
-    over its channels; gradients in levels/px (3x3 Sobel over 8)."""
-    gx, gy = cv2.Sobel(image, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(image, cv2.CV_32F, 0, 1, ksize=3) / 8
+    over its channels (:func:`gradient`)."""
+    gx, gy = gradient(image)
     jxx, jyy, jxy = gx * gx, gy * gy, gx * gy
     if image.ndim == 3:
         jxx, jyy, jxy = jxx.sum(axis=-1), jyy.sum(axis=-1), jxy.sum(axis=-1)
@@ -176,7 +180,7 @@ def colour_gradients(rgb: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.
     leaves a residual that is not boiling. ``tensor``: the three channels' structure tensor, which
     gives those edges their direction (:func:`_isotropic_band`)."""
     g = cv2.GaussianBlur(rgb.astype(np.float32), (0, 0), BOIL_COLOUR_BLUR)
-    gx, gy = cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3) / 8
+    gx, gy = gradient(g)
     jxx, jyy = gx * gx, gy * gy
     return (jxx + jyy).max(axis=-1), (jxx.sum(axis=-1), jyy.sum(axis=-1), (gx * gy).sum(axis=-1))
 
@@ -193,7 +197,7 @@ def _isotropic_band(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.n
     strength = half + np.sqrt(np.maximum(half * half - (jxx * jyy - jxy * jxy), 0.0))  # largest eigenvalue
     theta = 0.5 * np.arctan2(2 * jxy, jxx - jyy)  # edge normal
     nx, ny = np.cos(theta), np.sin(theta)
-    bx, by = cv2.Sobel(band, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(band, cv2.CV_32F, 0, 1, ksize=3) / 8
+    bx, by = gradient(band)
     along, across = (by * nx - bx * ny) ** 2, (bx * nx + by * ny) ** 2
     w = strength / (strength + BOIL_EDGE_NOISE)
     iso = np.minimum(1.0, 2 * cv2.blur(w * along, box) / (cv2.blur(w * (along + across), box) + 1e-6))
@@ -241,13 +245,13 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     g1 = cv2.GaussianBlur(r, (0, 0), BOIL_FINE)
     fine, band = r - g1, g1 - cv2.GaussianBlur(r, (0, 0), BOIL_COARSE)
     g = cv2.GaussianBlur(ref, (0, 0), 3.0)  # content edges, without the texture itself
-    grad2 = (cv2.Sobel(g, cv2.CV_32F, 1, 0, ksize=3) ** 2 + cv2.Sobel(g, cv2.CV_32F, 0, 1, ksize=3) ** 2) / 64
+    tensor = structure_tensor(g)
+    grad2 = tensor[0] + tensor[1]
     if edges is not None:
         grad2 = np.maximum(grad2, np.maximum(edges[0], warp(edges[1], fl)))
     box = (BOIL_WINDOW, BOIL_WINDOW)
     share = cv2.blur(valid, box)
     # the edges' directions: luma, and each colour channel (an edge luma does not show)
-    tensor = structure_tensor(g)
     if rgb is not None:
         colour = colour_gradients(rgb[0])[1] if colour_tensor is None else colour_tensor
         tensor = tuple(t + c for t, c in zip(tensor, colour))
@@ -346,7 +350,7 @@ def _sat_drift(a: np.ndarray, b: np.ndarray, inner) -> float:
     leave a tenth of ``inner`` or less (saturated texture everywhere), the mean over all of it."""
     edges = np.zeros(a.shape, bool)
     for x in (a, b):
-        gx, gy = cv2.Sobel(x, cv2.CV_32F, 1, 0, ksize=3) / 8, cv2.Sobel(x, cv2.CV_32F, 0, 1, ksize=3) / 8
+        gx, gy = gradient(x)
         edges |= np.hypot(gx, gy) > SAT_EDGE
     k = 2 * SAT_EDGE_GROW + 1
     edges = cv2.dilate(edges.astype(np.uint8), np.ones((k, k), np.uint8)) > 0
