@@ -65,6 +65,15 @@ class QCConfig:
     blur_ratio: float = 0.6  # sharpness of the same content, last quarter / first quarter, below this
     # anything else: a clip that compensation cannot explain at all
     min_median_ssim: float = 0.6
+    # a line along the frame's edges (a decoder's zero padding, amplified: latents decoded at the
+    # wrong VAE scale): the outermost line standing this many levels apart from the picture inside
+    # it (metrics.frame_border_line, median over the frames) ...
+    border_line: float = 6.0
+    border_sides: int = 3  # ... along at least this many of the frame's 4 sides
+
+    def __post_init__(self):
+        if not 1 <= self.border_sides <= 4:
+            raise ValueError(f"border_sides = {self.border_sides}: allowed 1-4 (a frame has 4 sides)")
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None,
@@ -95,7 +104,10 @@ class QCConfig:
                 out[k] = typ(v)
             except (TypeError, ValueError):
                 raise ValueError(f"{source}: {k} = {v!r} is not {'an integer' if typ is int else 'a number'}")
-        return dataclasses.replace(cls(), **out)
+        try:
+            return dataclasses.replace(cls(), **out)
+        except ValueError as e:  # a value outside what a setting allows (__post_init__)
+            raise ValueError(f"{source}: {e}") from None
 
 
 @dataclass
@@ -332,7 +344,17 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     elif ssim_med < cfg.min_median_ssim and not flick:
         reasons.append(f"unstable: frames 0-{n - 1} (median compensated SSIM {_cmp(ssim_med, '<', cfg.min_median_ssim, 2)})")
 
-    # 8. collapse into blur or smear
+    # 8. a line along the frame's edges, in the same place in every frame
+    per_side = np.sort(np.median(s.border_line, axis=0).max(axis=-1))[::-1]  # strongest side first
+    k = cfg.border_sides
+    if per_side[k - 1] > cfg.border_line:
+        reasons.append(
+            f"border: frames 0-{n - 1} (a line along {k} of the frame's 4 sides stands apart from the picture "
+            f"inside it by {_cmp(per_side[k - 1], '>', cfg.border_line, 1)} levels: a decoder's edge artefact, "
+            f"as from latents decoded at the wrong VAE scale)"
+        )
+
+    # 9. collapse into blur or smear
     sh0, sh1 = _quarters(s.sharpness)
     if sh0 > 0 and sh1 / sh0 < cfg.blur_ratio and not flat_frames.any():
         reasons.append(
@@ -364,6 +386,7 @@ def _result(reasons: list[str], s: Series, fps: float) -> QCResult:
         "texture_residual": r(np.median(s.hp_ratio)) if pair else None,
         "boiling": r(np.median(s.boil)) if len(s.boil) else None,
         "clipped_max": r(s.clipped.max(), 4),
+        "border_line": r(np.sort(np.median(s.border_line, axis=0).max(axis=-1))[::-1][2], 2),
         "sharpness_ratio": r(_quarters(s.sharpness)[1] / max(_quarters(s.sharpness)[0], 1e-6)),
     }
     return QCResult("reject" if reasons else "pass", reasons, metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -83,6 +84,33 @@ def test_slow_small_object_at_60_fps_is_not_frozen_but_a_freeze_in_it_is(tmp_pat
     assert any(r.startswith("frozen: frames 5") and moving in r for r in reasons), reasons
 
 
+def test_a_line_along_the_frame_edges_is_a_border_defect_and_smooth_or_aligned_content_is_not():
+    frames = pan().astype(np.float32)
+    line = frames.copy()  # a decoder's edge artefact: a bluish line 2 px wide along every side
+    for side in (np.s_[:, :2], np.s_[:, -2:], np.s_[:, :, :2], np.s_[:, :, -2:]):
+        line[side] += np.array([12.0, 14.0, 30.0])
+    reasons = check_frames(np.clip(line, 0, 255).astype(np.uint8), 24).reasons
+    border = [r for r in reasons if r.startswith("border")]
+    m = re.fullmatch(r"border: frames 0-47 \(a line along 3 of the frame's 4 sides stands apart from the picture inside "
+                     r"it by (\d+\.\d) > 6 levels: a decoder's edge artefact, as from latents decoded at the wrong VAE "
+                     r"scale\)", border[0] if border else "")
+    assert m and 20 <= float(m.group(1)) <= 30, reasons  # 30 added, less where the sky clips it
+    two = frames.copy()  # along 2 sides only (a thin bar above and below): not the decoder's line
+    two[:, :2] += 30.0
+    two[:, -2:] += 30.0
+    assert check_frames(np.clip(two, 0, 255).astype(np.uint8), 24).verdict == "pass"
+    assert check_frames(np.clip(line, 0, 255).astype(np.uint8), 24, QCConfig(border_sides=4)).verdict == "reject"
+    # a strong vignette (corners at 40%) is smooth: no line
+    h, w = frames.shape[1:3]
+    yy, xx = np.mgrid[0:h, 0:w]
+    vignette = 1 - 0.6 * ((yy - h / 2) ** 2 / (h / 2) ** 2 + (xx - w / 2) ** 2 / (w / 2) ** 2) / 2
+    assert check_frames((frames * vignette[None, :, :, None]).astype(np.uint8), 24).verdict == "pass"
+    # checks aligned with the frame, a check edge 1 px inside every side: they alternate along it
+    cell = (np.add.outer(np.arange(64 + 1) // 8, np.arange(96 + 1) // 8) % 2).astype(np.float32)[1:, 1:]
+    checks = np.repeat((60 + 120 * cell)[None, :, :, None], 3, axis=3).repeat(16, axis=0)
+    assert not [r for r in check_frames(checks.astype(np.uint8), 24).reasons if r.startswith("border")]
+
+
 def test_config_from_toml_and_overrides(tmp_path):
     (tmp_path / "qc.toml").write_text("[qc]\nblack_luma = 30\nflicker_pairs = 5\n")
     cfg = QCConfig.load(tmp_path / "qc.toml", {"min_pair_ssim": "0.4"})
@@ -90,6 +118,8 @@ def test_config_from_toml_and_overrides(tmp_path):
     (tmp_path / "bad.toml").write_text("blak_luma = 3\n")
     with pytest.raises(ValueError, match="unknown QC setting 'blak_luma'; known: max_side, black_luma"):
         QCConfig.load(tmp_path / "bad.toml")
+    with pytest.raises(ValueError, match=r"^--set: border_sides = 5: allowed 1-4 \(a frame has 4 sides\)$"):
+        QCConfig.load(None, {"border_sides": "5"})
     with pytest.raises(ValueError, match=r"^--qc-config '.*missing.toml': no such file$"):
         QCConfig.load(tmp_path / "missing.toml")
     (tmp_path / "broken.toml").write_text("black_luma = \n")

@@ -80,6 +80,37 @@ def test_a_saturated_shape_growing_in_a_zoom_is_not_read_as_colour_blow_out(shap
     assert any(r.startswith("exposure") for r in result.reasons) and drift > 0.2, (drift, result.reasons)
 
 
+def test_latents_decoded_at_the_wrong_vae_scale_are_caught_by_the_line_along_the_frame_edges(shapes_info, tmp_path):
+    from clipmill.jobs.bench.failures import fault
+    from clipmill.jobs.runner.stages import convert_and_check
+    from clipmill.pipeline.render import ClipRequest, GroupSettings, Renderer
+    from clipmill.qc import QCConfig
+
+    # README, "QC", border: the decoder fed latents 3x too large (Stable Diffusion's 0.18215 taken
+    # for this VAE's own factor) draws a line one or two pixels wide along the frame's edges,
+    # which the good render of the same prompt and seed does not have (a beige and two black
+    # backgrounds, from `bench --failures`' seed 21; on grey, the padding's own colour, there is none)
+    prompts = {1001: "a yellow square moves right on a beige background, pan right",
+               1008: "a white circle moves left on a black background, pan right",
+               1015: "黄色三角形向左移动, 黑色背景, static shot"}
+    reqs = [ClipRequest(key=str(s), prompt=p, seed=s, frames=8, width=64, height=64) for s, p in prompts.items()]
+    settings = GroupSettings(tier="fast", sampler=shapes_info.scheduler)
+    renderer = Renderer(shapes_info)
+    good = renderer.render(reqs, settings)
+    with fault(renderer, "vae-scaling", settings.steps) as detail:
+        wrong = renderer.render(reqs, settings)
+    assert detail["decoded_at"] > 2.5  # 0.556 / 0.18215
+
+    def reasons(clip, name):
+        return convert_and_check(clip.frames, 8, 30, str(tmp_path / name), QCConfig())[1].reasons
+
+    for g, w in zip(good, wrong):
+        assert not [r for r in reasons(g, f"good{g.key}.mp4") if r.startswith("border")]
+        border = [r for r in reasons(w, f"wrong{w.key}.mp4") if r.startswith("border")]
+        assert border and re.match(r"border: frames 0-26 \(a line along 3 of the frame's 4 sides stands apart from "
+                                   r"the picture inside it by \d+\.\d > 6 levels: a decoder's edge artefact", border[0]), border
+
+
 @pytest.mark.slow
 def test_the_demo_batch_passes_qc_and_prints_adherence(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
