@@ -71,7 +71,7 @@ class Series:
     boil: np.ndarray  # per sampled frame: band-pass residual energy above the noise floor in its most boiling area
     boil_frames: np.ndarray  # the sampled frames (boil[j] is measured on frame boil_frames[j])
     boil_gap: np.ndarray  # frames between boil_frames[j] and each of the two it is compared with
-    border_line: np.ndarray  # (F, 4, 3) frame_border_line of each frame: sides (top, bottom, left, right) x RGB
+    border_line: np.ndarray  # (F, 4, 3) frame_border_line: per frame, side (top, bottom, left, right) and RGB channel
 
     def as_lists(self) -> dict[str, list[float]]:
         return {k: [round(float(x), 4) for x in v] for k, v in self.__dict__.items()
@@ -342,9 +342,10 @@ BORDER_LINE_DEPTH = 3  # px (working size) between the frame's outermost line an
 BORDER_LINE_SHARE = 0.65  # share of a side's positions that must stand apart the same way
 
 
-def frame_border_line(rgb: np.ndarray, depth: int = BORDER_LINE_DEPTH, share: float = BORDER_LINE_SHARE) -> np.ndarray:
-    """(4, 3): how far the outermost line of each side (top, bottom, left, right) stands apart
-    from the picture inside it, per colour channel, in levels (0 where it does not).
+def frame_border_line(frames: np.ndarray, depth: int = BORDER_LINE_DEPTH, share: float = BORDER_LINE_SHARE) -> np.ndarray:
+    """(F, 4, 3) for (F, h, w, 3) frames: how far the outermost line of each side (top, bottom,
+    left, right) stands apart from the picture inside it, per colour channel, in levels (0 where
+    it does not).
 
     A decoder fed latents out of its range (the wrong VAE scaling) draws a bright or coloured line
     one or two pixels wide along the frame's edges: its convolutions' zero padding, amplified.
@@ -352,13 +353,20 @@ def frame_border_line(rgb: np.ndarray, depth: int = BORDER_LINE_DEPTH, share: fl
     in, ``r0 - 2 r[depth] + r[2 depth]``: a smooth gradient (a vignette, a sky) cancels. The side's
     value is what ``share`` of its positions exceed in the same direction: such a line runs along
     the whole side, while content crossing the side, or checks aligned with it, go both ways."""
-    x = rgb.astype(np.float32)
-    out = np.zeros((4, 3), np.float32)
+    x = frames.astype(np.float32)
+    d2 = 2 * depth
+    lines = [  # (outermost, depth in, 2 depth in), each (F, positions, 3)
+        (x[:, 0, 2:-2], x[:, depth, 2:-2], x[:, d2, 2:-2]),
+        (x[:, -1, 2:-2], x[:, -1 - depth, 2:-2], x[:, -1 - d2, 2:-2]),
+        (x[:, 2:-2, 0], x[:, 2:-2, depth], x[:, 2:-2, d2]),
+        (x[:, 2:-2, -1], x[:, 2:-2, -1 - depth], x[:, 2:-2, -1 - d2]),
+    ]
     q = 100.0 * (1.0 - share)
-    for k, side in enumerate((x, x[::-1], x.transpose(1, 0, 2), x.transpose(1, 0, 2)[::-1])):
-        d = side[0, 2:-2] - 2.0 * side[depth, 2:-2] + side[2 * depth, 2:-2]  # (positions, 3)
-        lo, hi = np.percentile(d, [q, 100.0 - q], axis=0)
-        out[k] = np.where(np.median(d, axis=0) > 0, np.maximum(lo, 0.0), np.maximum(-hi, 0.0))
+    out = np.zeros((len(x), 4, 3), np.float32)
+    for k, (r0, r1, r2) in enumerate(lines):
+        d = r0 - 2.0 * r1 + r2
+        lo, hi = np.percentile(d, [q, 100.0 - q], axis=1)
+        out[:, k] = np.where(np.median(d, axis=1) > 0, np.maximum(lo, 0.0), np.maximum(-hi, 0.0))
     return out
 
 
@@ -445,7 +453,7 @@ def measure(frames: np.ndarray, max_side: int = 320, fps: float = 24.0, boil_sec
     boil, boil_frames, boil_gap = (
         boiling_series(gray, int(round(boil_seconds * fps)), boil_area, inner, small, texture_speed) if n > 1
         else (np.zeros(0), np.zeros(0, int), np.zeros(0, int)))
-    border_line = np.stack([frame_border_line(x) for x in small])
+    border_line = frame_border_line(small)
     return Series(scale, luma, spread, clipped, saturation, sharpness, diff, change, flow_m, residual, ssim,
                   cells, hp_ratio, luma_drift, sat_drift, boil, boil_frames, boil_gap, border_line)
 
