@@ -13,7 +13,7 @@ from .check import QCConfig
 
 # a reason's first word is its kind: "boiling: frames 0-23 (...)" -> "boiling"
 REASON_KINDS = ("flat", "black", "uniform", "block", "jump", "garbage", "flicker", "frozen", "exposure", "boiling",
-                "unstable", "blur")
+                "unstable", "border", "blur")
 
 
 def _upper(value, limit) -> float | None:  # value must stay below limit
@@ -32,6 +32,7 @@ def margins(metrics: dict, cfg: QCConfig = QCConfig()) -> dict[str, float]:
     """The relative margin of each metric to its limit (those the metrics allow)."""
     m = metrics or {}
     spike_limit = max(cfg.spike_min, cfg.spike_factor * (m.get("residual_median") or 0.0))
+    sides = m.get("border_line")  # the four sides' values, strongest first
     out = {
         "black": _lower(m.get("luma_min"), cfg.black_luma),
         "uniform": _lower(m.get("spread_min"), cfg.uniform_spread),
@@ -39,6 +40,7 @@ def margins(metrics: dict, cfg: QCConfig = QCConfig()) -> dict[str, float]:
         "residual": _upper(m.get("residual_max"), spike_limit),
         "boiling": _upper(m.get("boiling"), cfg.boiling_excess),
         "median_ssim": _lower(m.get("ssim_mean"), cfg.min_median_ssim),
+        "border": _upper(sides[cfg.border_sides - 1], cfg.border_line) if sides else None,
         "blur": _lower(m.get("sharpness_ratio"), cfg.blur_ratio),
     }
     return {k: round(float(v), 4) for k, v in out.items() if v is not None}

@@ -48,7 +48,11 @@ def test_qc_margin_is_the_nearest_limit_and_reasons_have_kinds():
     assert risk(at_limit) == (0.0, "boiling")
     assert risk(dict(ok, boiling=2.25))[0] < 0  # past the limit: negative
     assert risk({}) == (None, None)
+    # the border line: the side that decides is the border_sides-th strongest (3 of 4 by default)
+    assert margins(dict(ok, border_line=[20.0, 9.0, 4.5, 0.0]))["border"] == 0.25
+    assert risk(dict(ok, border_line=[20.0, 9.0, 7.5, 0.0])) == (-0.25, "border")
     assert reason_kinds(["boiling: frames 0-23 (...)", "flicker: frames 1-4 (...)", "boiling: again"]) == ["boiling", "flicker"]
+    assert reason_kinds(["border: frames 0-26 (...)"]) == ["border"]
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ from clipmill.jobs.cli.common import EXIT_BAD_INPUT, BadInput, domain_errors, er
 @qc_config_options
 def qc(files, as_json, explain, sheet, bench, qc_cfg):
     """Check video FILES for broken clips: flicker, garbage or block-corrupted frames, black or
-    flat frames, frozen stretches, cuts, over-exposure, boiling texture, collapse into blur.
+    flat frames, frozen stretches, cuts, over-exposure, boiling texture, a line along the frame's
+    edges (a decoder's artefact), collapse into blur.
 
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
     A file that cannot be read or checked (missing, a folder, not a video, frames too small to
