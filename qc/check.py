@@ -207,7 +207,7 @@ def spike_mask(s: Series, cfg: QCConfig, flat_frames: np.ndarray | None = None) 
     return spike
 
 
-def border_sides(s: Series) -> np.ndarray:
+def border_by_side(s: Series) -> np.ndarray:
     """The 4 sides' border line (the median over the frames, the largest colour channel), levels,
     strongest first."""
     return np.sort(np.median(s.border_line, axis=0).max(axis=-1))[::-1]
@@ -351,7 +351,7 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
         reasons.append(f"unstable: frames 0-{n - 1} (median compensated SSIM {_cmp(ssim_med, '<', cfg.min_median_ssim, 2)})")
 
     # 8. a line along the frame's edges, in the same place in every frame
-    per_side = border_sides(s)
+    per_side = border_by_side(s)
     k = cfg.border_sides
     if per_side[k - 1] > cfg.border_line:
         reasons.append(
@@ -392,7 +392,7 @@ def _result(reasons: list[str], s: Series, fps: float) -> QCResult:
         "texture_residual": r(np.median(s.hp_ratio)) if pair else None,
         "boiling": r(np.median(s.boil)) if len(s.boil) else None,
         "clipped_max": r(s.clipped.max(), 4),
-        "border_line": [r(x, 2) for x in border_sides(s)],
+        "border_line": [r(x, 2) for x in border_by_side(s)],
         "sharpness_ratio": r(_quarters(s.sharpness)[1] / max(_quarters(s.sharpness)[0], 1e-6)),
     }
     return QCResult("reject" if reasons else "pass", reasons, metrics)

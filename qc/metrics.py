@@ -354,17 +354,11 @@ def frame_border_line(frames: np.ndarray, depth: int = BORDER_LINE_DEPTH, share:
     value is what ``share`` of its positions exceed in the same direction: such a line runs along
     the whole side, while content crossing the side, or checks aligned with it, go both ways."""
     x = frames.astype(np.float32)
-    d2 = 2 * depth
-    lines = [  # (outermost, depth in, 2 depth in), each (F, positions, 3)
-        (x[:, 0, 2:-2], x[:, depth, 2:-2], x[:, d2, 2:-2]),
-        (x[:, -1, 2:-2], x[:, -1 - depth, 2:-2], x[:, -1 - d2, 2:-2]),
-        (x[:, 2:-2, 0], x[:, 2:-2, depth], x[:, 2:-2, d2]),
-        (x[:, 2:-2, -1], x[:, 2:-2, -1 - depth], x[:, 2:-2, -1 - d2]),
-    ]
+    xt = x.transpose(0, 2, 1, 3)
     q = 100.0 * (1.0 - share)
     out = np.zeros((len(x), 4, 3), np.float32)
-    for k, (r0, r1, r2) in enumerate(lines):
-        d = r0 - 2.0 * r1 + r2
+    for k, v in enumerate((x, x[:, ::-1], xt, xt[:, ::-1])):  # each view has its side in row 0
+        d = v[:, 0, 2:-2] - 2.0 * v[:, depth, 2:-2] + v[:, 2 * depth, 2:-2]  # (F, positions, 3)
         lo, hi = np.percentile(d, [q, 100.0 - q], axis=1)
         out[:, k] = np.where(np.median(d, axis=1) > 0, np.maximum(lo, 0.0), np.maximum(-hi, 0.0))
     return out
