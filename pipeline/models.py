@@ -22,6 +22,7 @@ is loaded with ``from_pretrained`` like a user's folder.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -96,6 +97,10 @@ class ModelInfo:
     # clipmill.json "frame_markers": the token ids of the model's frame markers (pipeline.frame_markers:
     # one prompt per frame, its last token the frame's place in the clip); () for a model without
     frame_markers: tuple[int, ...] = ()
+    # clipmill.json "decode_range": the largest |value| the model's VAE decodes of good clips reach
+    # before they are clipped to [-1, 1]; a clip decoded beyond it is rejected by the render check
+    # (jobs.runner.checks: latents decoded at the wrong scale, or diverged). None: not checked
+    decode_range: float | None = None
 
     @property
     def renoise(self) -> float:
@@ -431,6 +436,7 @@ def _teacher_and_world(path: Path, extra: dict) -> dict:
         if extra.get("renoise_shared") is not None:
             out["renoise_shared"] = check_noise_shared(extra["renoise_shared"], "renoise_shared")
         out["frame_markers"] = check_markers(extra.get("frame_markers"))
+        out["decode_range"] = check_decode_range(extra.get("decode_range"))
     except ValueError as e:
         raise ModelError(f"{path / 'clipmill.json'}: {e}") from None
     if extra.get("teacher"):
@@ -444,10 +450,25 @@ def _teacher_and_world(path: Path, extra: dict) -> dict:
     return out
 
 
+def check_decode_range(value) -> float | None:
+    """clipmill.json's ``decode_range`` as a float above 1 (None when absent), or a ValueError
+    naming the field, the value and what is allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 1.0:
+        raise ValueError(f"decode_range={value!r}: allowed a number above 1 (the largest |value| a good clip's "
+                         "VAE decode reaches before it is clipped to [-1, 1]), or no entry for no check")
+    return float(value)
+
+
 def _wan_info(model: str, path: Path) -> ModelInfo:
     tr_cfg = _read_json(path / "transformer" / "config.json")
     vae_cfg = _read_json(path / "vae" / "config.json")
     extra = _read_json(path / "clipmill.json")
+    try:
+        decode_range = check_decode_range(extra.get("decode_range"))
+    except ValueError as e:
+        raise ModelError(f"{path / 'clipmill.json'}: {e}") from None
     temporal = 2 ** sum(bool(x) for x in vae_cfg.get("temperal_downsample", [False, True, True]))
     spatial = 2 ** len(vae_cfg.get("temperal_downsample", [False, True, True]))
     patch = tr_cfg.get("patch_size", [1, 2, 2])
@@ -469,6 +490,7 @@ def _wan_info(model: str, path: Path) -> ModelInfo:
         max_prompt_tokens=int(extra.get("max_prompt_tokens", TINY_WAN_MAX_TOKENS)),
         default_frames=temporal * 4 + 1,
         guidance_distilled=bool(extra.get("guidance_distilled", True)),
+        decode_range=decode_range,
     )
 
 

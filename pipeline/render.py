@@ -98,6 +98,7 @@ class ClipResult:
     fps: int
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)  # work done and skipped, for the benchmark
+    decode_peak: float | None = None  # the largest |value| of the VAE's output before clipping (Renderer.render)
 
 
 def compatible_key(req: ClipRequest) -> tuple:
@@ -271,8 +272,14 @@ class Renderer:
             self._reset_caches(None)
         t2 = time.perf_counter()
 
-        # 4. decode each clip on its own (bounded memory), to uint8 frames
-        videos = [self.decode(latents[i : i + 1])[0] for i in range(n)]
+        # 4. decode each clip on its own (bounded memory), to uint8 frames; keep how far the
+        #    VAE's output went before clipping to [-1, 1] (NaN for a clip that went NaN; none for
+        #    the tiny decoder, whose range is its own)
+        videos, peaks = [], []
+        for i in range(n):
+            video = self.decode_float(latents[i : i + 1])
+            peaks.append(None if self.tiny_vae is not None else float(video.float().abs().amax()))
+            videos.append(_to_uint8(video)[0])
         t3 = time.perf_counter()
 
         share = {"text_s": (t1 - t0) / n, "denoise_s": (t2 - t1) / n, "decode_s": (t3 - t2) / n}
@@ -281,8 +288,9 @@ class Renderer:
         if free is not None:
             stats.update(long_shot={"context_length": free.context_length, "context_stride": free.context_stride})
         return [
-            ClipResult(key=r.key, frames=v, fps=self.info.native_fps, timings=dict(share, group_size=n), stats=stats)
-            for r, v in zip(requests, videos)
+            ClipResult(key=r.key, frames=v, fps=self.info.native_fps, timings=dict(share, group_size=n), stats=stats,
+                       decode_peak=p)
+            for r, v, p in zip(requests, videos, peaks)
         ]
 
     def long_shot_windows(self, frames: int) -> long_shot.FreeNoiseConfig | None:
@@ -409,6 +417,11 @@ class Renderer:
     # -- decoding --------------------------------------------------------------------------------
     def decode(self, latents: torch.Tensor, chunk: int = 16) -> np.ndarray:
         """Latents of one or more clips to uint8 frames (b, f, H, W, 3)."""
+        return _to_uint8(self.decode_float(latents, chunk))
+
+    def decode_float(self, latents: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+        """Latents of one or more clips to the VAE's output (b, f, 3, H, W), before it is clipped
+        to [-1, 1]: how far a decode goes beyond that range is the render check's measure."""
         if self.info.family == "wan":
             return self._decode_wan(latents)
         vae = self.tiny_vae or self.pipe.vae
@@ -419,9 +432,9 @@ class Renderer:
         flat = (latents / vae.config.scaling_factor).permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
         # sliced: ``chunk`` frames per VAE call bounds memory for long clips
         parts = [vae.decode(flat[i : i + chunk]).sample for i in range(0, flat.shape[0], chunk)]
-        return _to_uint8(torch.cat(parts).reshape(b, f, 3, h * s, w * s))
+        return torch.cat(parts).reshape(b, f, 3, h * s, w * s)
 
-    def _decode_wan(self, latents: torch.Tensor) -> np.ndarray:
+    def _decode_wan(self, latents: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         z = vae.config.z_dim
         mean = torch.tensor(vae.config.latents_mean).view(1, z, 1, 1, 1).to(latents.device, latents.dtype)
@@ -429,8 +442,7 @@ class Renderer:
         s = self.pipe.vae_scale_factor_spatial
         self._set_tiling(vae, latents.shape[-1] * latents.shape[-2] * s * s)
         video = vae.decode(latents * std + mean).sample  # (b, 3, f, H, W)
-        return _to_uint8(video.permute(0, 2, 1, 3, 4))
-
+        return video.permute(0, 2, 1, 3, 4)
 
     def _set_tiling(self, vae, frame_pixels: int) -> None:
         """Tiled decode when the options say so: ``on``, or ``auto`` above TILING_ABOVE_PIXELS."""

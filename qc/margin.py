@@ -55,11 +55,11 @@ def risk(metrics: dict, cfg: QCConfig = QCConfig()) -> tuple[float | None, str |
     return ms[name], name
 
 
-def reason_kinds(reasons: list[str] | None) -> list[str]:
-    """The kinds of a verdict's reasons, in order, once each."""
+def reason_kinds(reasons: list[str] | None, known: tuple[str, ...] = REASON_KINDS) -> list[str]:
+    """The kinds of a verdict's reasons (those in ``known``), in order, once each."""
     out: list[str] = []
     for r in reasons or []:
         kind = r.split(":", 1)[0].strip()
-        if kind in REASON_KINDS and kind not in out:
+        if kind in known and kind not in out:
             out.append(kind)
     return out

@@ -57,11 +57,11 @@ def _rows(info: ModelInfo, teacher: ModelInfo | None) -> list[tuple[str, bool, G
     return rows
 
 
-def qc_pass_rate(results, fps_out: int, qc: QCConfig) -> tuple[float, dict[str, int]]:
-    """The share of clips the post stage's QC passes, and its reasons' counts."""
+def qc_pass_rate(results, fps_out: int, qc: QCConfig, decode_range: float | None = None) -> tuple[float, dict[str, int]]:
+    """The share of clips the post stage passes (QC and the render check), and its reasons' counts."""
     passed, reasons = 0, {}
     for r in results:
-        _, verdict = post(r, fps_out, qc)
+        _, verdict = post(r, fps_out, qc, decode_range)
         passed += verdict.verdict == "pass"
         for reason in verdict.reasons:
             reasons[reason_kind(reason)] = reasons.get(reason_kind(reason), 0) + 1
@@ -107,7 +107,7 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
                 "readers_agree": round(sum(x.label() == y for x, y in zip(a, second)) / clips, 4),
             }
             if not is_teacher:
-                rate, reasons = qc_pass_rate(results, fps_out, qc)
+                rate, reasons = qc_pass_rate(results, fps_out, qc, info.decode_range)
                 row["qc_passed"], row["qc_reasons"] = round(rate, 4), reasons
             out.append(row)
     finally:

@@ -13,7 +13,7 @@ it) and broken in the ways a real video diffusion model breaks:
   of the model's own (or, where the two are close, not unscaled at all).
 
 Each clip then goes through the post stage's own code (interpolation, H.264, decode, QC at the
-given thresholds). A kind's ``caught`` is the share QC rejects; for the good renders, ``passed``
+given thresholds, and the render check of the decode's range where the model states one). A kind's ``caught`` is the share QC rejects; for the good renders, ``passed``
 is the share it lets through. Beside them, what shows whether a kind is visibly broken at all:
 the analyzer's adherence and the PSNR against the good render of the same prompt and seed.
 
@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from clipmill.jobs.bench.ladder import psnr, world_requests
+from clipmill.jobs.runner.checks import decode_check, with_render_check
 from clipmill.jobs.runner.stages import convert_and_check
 from clipmill.pipeline import shapes
 from clipmill.pipeline.deepcache import DeepCacheConfig
@@ -115,14 +116,16 @@ def reason_kind(reason: str) -> str:
     return reason.split(":")[0].split(" ")[0]
 
 
-def post(result: ClipResult, fps_out: int, qc: QCConfig):
+def post(result: ClipResult, fps_out: int, qc: QCConfig, decode_range: float | None = None):
+    """The post stage's verdict on a rendered clip: QC of its H.264, and the render check of its
+    decode's range (``jobs.runner.checks``) when the model states one."""
     fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-failures-")
     os.close(fd)
     try:
         decoded, verdict, _, _ = convert_and_check(result.frames, result.fps, fps_out, tmp, qc)
     finally:
         os.unlink(tmp)
-    return decoded, verdict
+    return decoded, with_render_check(verdict, decode_check(result.decode_peak, decode_range))
 
 
 def failures(info: ModelInfo, clips: int = 40, size: tuple[int, int] | None = None, frames: int | None = None,
@@ -147,7 +150,7 @@ def failures(info: ModelInfo, clips: int = 40, size: tuple[int, int] | None = No
             for i in range(0, len(reqs), group):  # each group gets the fault afresh (NaN from its own middle step)
                 with fault(renderer, kind.fault, kind.settings.steps) as detail:
                     results += renderer.render(reqs[i:i + group], kind.settings)
-            checked = [post(r, fps_out, qc) for r in results]
+            checked = [post(r, fps_out, qc, info.decode_range) for r in results]
             rejected = [v.verdict != "pass" for _, v in checked]
             reasons: dict[str, int] = {}
             for _, v in checked:

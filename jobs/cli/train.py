@@ -103,7 +103,9 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
             names = ("teacher", "student", "decoder")  # finished stages are skipped
         run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names, dev)
         if not no_export and "student" in names:
-            export_model(root, dest)
+            # the full model's decode range is measured on its renders (the render check's limit);
+            # the smoke recipe's few steps draw noise, with no range worth stating
+            export_model(root, dest, clean=clean_caption if recipe == "full" else None)
             log(f"exported the model to {dest}")
     except (ValueError, FileNotFoundError) as e:
         raise BadInput(str(e))

@@ -16,7 +16,7 @@ from sqlalchemy import func, select
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Attempt, Batch, Decision, Job
 from clipmill.jobs.core.states import JOB_MOVES, JobState, MoveConflict, move_job
-from clipmill.qc.margin import REASON_KINDS
+from clipmill.jobs.runner.checks import VERDICT_KINDS
 
 DECISIONS = {"approve": JobState.APPROVED, "decline": JobState.DECLINED}
 REVIEW_STATES = ("passed", "approved", "declined")  # what the page shows unless asked for more
@@ -99,8 +99,8 @@ class View:
             raise ReviewError(f"page {self.page}: pages start at 1")
         if not 1 <= self.per <= MAX_PER_PAGE:
             raise ReviewError(f"per {self.per}: allowed 1 to {MAX_PER_PAGE}")
-        if self.reason and self.reason not in REASON_KINDS:
-            raise ReviewError(f"reason {self.reason!r}: allowed {', '.join(REASON_KINDS)}")
+        if self.reason and self.reason not in VERDICT_KINDS:
+            raise ReviewError(f"reason {self.reason!r}: allowed {', '.join(VERDICT_KINDS)}")
         if len(self.q) > 200:
             raise ReviewError(f"q: {len(self.q)} characters; at most 200")
         return self

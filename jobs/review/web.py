@@ -37,7 +37,7 @@ from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, Re
                                             last_decision_id, matching, media_key, operator_summary, page_of)
 from clipmill.jobs.review.preview import PreviewError, Previews
 from clipmill.pipeline.pacing import Pacer
-from clipmill.qc.margin import REASON_KINDS
+from clipmill.jobs.runner.checks import VERDICT_KINDS
 from clipmill.storage import LocalStorage, open_storage
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
             notice = "No clip of this batch passed QC. Showing the rejected ones: approving one overrides QC."
         return page(request, "batch.html", {
             "batch": batch_id, "p": result, "clips": result.clips, "state": v.filter, "filters": FILTERS,
-            "notice": notice, "sorts": SORTS, "reasons": REASON_KINDS, "operators": operator_summary(db, batch_id),
+            "notice": notice, "sorts": SORTS, "reasons": VERDICT_KINDS, "operators": operator_summary(db, batch_id),
             "loaded_at": loaded_at, "snapshot": snapshot, "query": _query(v), "query_for": lambda **kw: _query(replace(v, **kw))})
 
     @app.post("/bulk/{batch_id}")

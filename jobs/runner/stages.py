@@ -29,6 +29,7 @@ from clipmill.jobs.core.operations import release
 from clipmill.jobs.core.preflight import SetupProblem
 from clipmill.jobs.core.queue import attempts_left
 from clipmill.jobs.core.settings import Settings
+from clipmill.jobs.runner.checks import VERDICT_KINDS, decode_check, with_render_check
 from clipmill.jobs.runner.draws import DEFAULT_DRAWS, check_draws, render_drawing
 from clipmill.jobs.core.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from clipmill.pipeline import shapes
@@ -184,6 +185,7 @@ def render_group(
             _fail(ctx.db, a.id, f"{traceback.format_exc()}{reason}")  # the job's reason is the last line
             continue
         timings = dict(res.timings, fps_in=res.fps, draws=d.draws)
+        timings.update(decode_check(res.decode_peak, renderer.info.decode_range))  # judged by the post stage
         if d.draws > 1:
             timings["draws_extra_s"] = d.extra_s  # rendering the draws that were not kept
         try:
@@ -339,6 +341,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         os.close(fd)
         try:
             decoded, result, series, steps = convert_and_check(raw, fps_in, job.fps, tmp, ctx.qc_config)
+            result = with_render_check(result, a.timings)  # the decode's range, recorded by the render stage
             steps["retime_s"] += loaded - t0  # reading the raw frames counts with the retime
             t3 = time.perf_counter()
             files = {
@@ -383,7 +386,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
                 move_job(s, job.id, JobState.POST, JobState.QUEUED, tier=RETRY_TIER, lease_owner=None, lease_expires_at=None)
             else:
                 margin, near = risk(result.metrics, ctx.qc_config)
-                kinds = reason_kinds(result.reasons)
+                kinds = reason_kinds(result.reasons, VERDICT_KINDS)
                 move_job(
                     s, job.id, JobState.POST, JobState.PASSED if passed else JobState.REJECTED,
                     lease_owner=None, lease_expires_at=None, qc_margin=margin, qc_near=near,

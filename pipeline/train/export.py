@@ -6,29 +6,42 @@ and text encoder stay float32), adds the undistilled teacher it was distilled fr
 folder of its own under ``teacher/`` (its UNet float16 too: ``clipmill bench``'s row 0, and what
 ``clipmill train-model --from-teacher`` distils again from), uses the ``decoder`` stage's VAE (the same
 encoder, its decoder fine-tuned on whole clips) in both folders when that stage has run, adds ``clipmill.json`` (the model's defaults, the
-world it draws, and what each training stage reported) and replaces ``dest`` atomically. The renderer loads it in float32
+world it draws, what each training stage reported, and how far its good decodes reach) and replaces ``dest`` atomically. The renderer loads it in float32
 through ``from_pretrained`` like any user's folder (``pipeline.models``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 from safetensors.torch import save_file
 
 from .. import shapes
 from ..choices import TIERS
-from ..models import SHAPES, SHAPES_VERSION
+from ..models import SHAPES, SHAPES_VERSION, model_info
+from ..render import ClipRequest, GroupSettings, Renderer
 from . import nets
 from .distill import LCMConfig
 from .recipe import STAGE_ORDER
 from .stages import MarkerEmbeddings, _load_state, export_pipeline
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
+# what measure_decode_range renders: (frames, size) at both tiers, RANGE_CLIPS prompts each,
+# the default clip and the longest and largest ones the model takes (a larger frame reaches
+# further: more pixels). The range is the largest peak plus RANGE_HEADROOM, rounded up to the
+# next RANGE_ROUND: the largest of 32 good 128x128 renders varies by about 0.05 between draws
+# of prompts (1.18 and 1.24 for the shipped model)
+RANGE_SHAPES = ((shapes.FRAMES, shapes.SIZE), (16, shapes.SIZE), (shapes.FRAMES, 2 * shapes.SIZE))
+RANGE_CLIPS = 32
+RANGE_HEADROOM = 0.05
+RANGE_ROUND = 0.05
 MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
 TEACHER = "teacher"  # the teacher's folder inside the model folder
 RESUME = "resume"  # an unfinished teacher's trained (not averaged) UNet weights, inside its folder
@@ -38,8 +51,11 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BYTES) -> Path:
-    """Write the shapes model folder at ``dest`` from the checkpoints under ``ckpt_dir``.
+def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BYTES,
+                 clean: Callable[[str], str] | None = None) -> Path:
+    """Write the shapes model folder at ``dest`` from the checkpoints under ``ckpt_dir``; with
+    ``clean`` (the project's prompt cleaning), measure and write its ``decode_range`` too
+    (:func:`set_decode_range`).
 
     Raises FileNotFoundError when the student stage has not finished, and ValueError when the
     folder would exceed ``max_bytes``; ``dest`` is left as it was in both cases.
@@ -105,11 +121,60 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
             raise ValueError(f"the exported model is {size / 2**20:.1f} MiB, over the limit of {max_bytes / 2**20:.1f} MiB")
         for folder in (tmp, tmp / TEACHER):  # both load as the renderer loads them
             AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
+        if clean is not None:
+            set_decode_range(tmp, clean)
         _replace(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def measure_decode_range(folder: Path | str, clean: Callable[[str], str], clips: int = RANGE_CLIPS,
+                         seed: int = 0) -> tuple[float, dict]:
+    """The model's ``decode_range`` (``ModelInfo.decode_range``, the render check's limit): the
+    largest |value| its VAE's output reaches, before clipping to [-1, 1], on good renders of
+    ``clips`` shapes prompts (cleaned by ``clean``, as the renderer is given them) for each of
+    :data:`RANGE_SHAPES` at both tiers, plus :data:`RANGE_HEADROOM`, rounded up to the next
+    :data:`RANGE_ROUND`.
+
+    Returns the range and the largest peak per (tier, frames, size)."""
+    info = model_info(str(folder))
+    rng = np.random.default_rng([seed, 0xDEC0])
+    specs = shapes.all_specs()
+    renderer = Renderer(info)
+    peaks: dict[str, float] = {}
+    try:
+        for frames, size in RANGE_SHAPES:
+            reqs = []
+            for i in range(clips):
+                spec = specs[int(rng.integers(len(specs)))]
+                prompt = clean(shapes.caption(spec, "zh" if i % 2 else "en"))
+                reqs.append(ClipRequest(key=i, prompt=prompt, seed=int(rng.integers(2**31)), frames=frames, width=size,
+                                        height=size))
+            for tier in TIERS:
+                settings = GroupSettings(tier=tier, sampler=info.scheduler)
+                results = [r for k in range(0, clips, 4) for r in renderer.render(reqs[k:k + 4], settings)]
+                peaks[f"{tier} {frames} frames {size}x{size}"] = round(max(r.decode_peak for r in results), 4)
+    finally:
+        renderer.close()
+    return round(math.ceil((max(peaks.values()) + RANGE_HEADROOM) / RANGE_ROUND - 1e-9) * RANGE_ROUND, 4), peaks
+
+
+def set_decode_range(folder: Path | str, clean: Callable[[str], str]) -> float:
+    """Measure ``folder``'s decode range (:func:`measure_decode_range`) and write it into its
+    clipmill.json and its teacher's (the same VAE), with the peaks it was measured from."""
+    folder = Path(folder)
+    value, peaks = measure_decode_range(folder, clean)
+    for meta_path in (folder / "clipmill.json", folder / TEACHER / "clipmill.json"):
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            meta["decode_range"] = value
+            meta["decode_range_measured"] = {
+                "rule": f"the largest peak plus {RANGE_HEADROOM:g}, rounded up to the next {RANGE_ROUND:g}",
+                "peaks": peaks}
+            meta_path.write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+    return value
 
 
 def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:

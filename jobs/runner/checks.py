@@ -1,0 +1,54 @@
+"""The render check: what the render stage knows about a clip that its frames cannot show.
+
+QC judges frames and is blind to how a clip was made. One failure of a real model is easier to
+see before the frames exist: latents decoded at the wrong scale (a VAE's ``scaling_factor`` from
+another model family) make the decoder's output overshoot far beyond the [-1, 1] it is clipped
+to. On a background of the padding's own colour the clipped frames look merely contrasty, and QC
+lets most of them through; the overshoot itself is unmistakable.
+
+A model folder states how far its good decodes go (``clipmill.json`` ``"decode_range"``,
+``ModelInfo.decode_range``). The render stage stores each clip's peak beside that limit in the
+attempt's record (``decode_check``), so the post stage, which may run on a host without the
+model, judges it from the record alone (``render_reasons``). A model that states no range is
+not checked; nor is a clip decoded by the tiny decoder (its range is not the VAE's), nor one
+whose decode went NaN (it has no peak; QC rejects its black frames).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from clipmill.qc import QCResult
+from clipmill.qc.margin import REASON_KINDS
+
+RENDER_KINDS = ("decode",)
+VERDICT_KINDS = REASON_KINDS + RENDER_KINDS  # every reason kind a verdict can carry (review filter)
+
+
+def decode_check(peak: float | None, limit: float | None) -> dict:
+    """The record of one clip's decode for the post stage: ``decode_peak`` (when it is a finite
+    number) and the model's ``decode_range`` (when it states one)."""
+    out = {}
+    if peak is not None and math.isfinite(peak):
+        out["decode_peak"] = round(float(peak), 4)
+    if limit is not None:
+        out["decode_range"] = float(limit)
+    return out
+
+
+def render_reasons(record: dict) -> list[str]:
+    """The render check's reasons for a clip, from its record (``decode_check``'s keys)."""
+    peak, limit = record.get("decode_peak"), record.get("decode_range")
+    if peak is None or limit is None or peak <= limit:
+        return []
+    return [f"decode: the VAE's output reached {peak:.2f} before clipping to [-1, 1]; this model's good decodes "
+            f"stay within {limit:g} (clipmill.json decode_range); latents decoded at the wrong scale, or diverged"]
+
+
+def with_render_check(result: QCResult, record: dict) -> QCResult:
+    """``result`` with the render check's reasons added; rejected when there are any."""
+    reasons = render_reasons(record)
+    if not reasons:
+        return result
+    return replace(result, verdict="reject", reasons=[*result.reasons, *reasons])
