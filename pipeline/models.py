@@ -101,6 +101,10 @@ class ModelInfo:
     # before they are clipped to [-1, 1]; a clip decoded beyond it is rejected by the render check
     # (jobs.runner.checks: latents decoded at the wrong scale, or diverged). None: not checked
     decode_range: float | None = None
+    # clipmill.json "decode_input_rms": [low, high], the range of the RMS of the latents its VAE's
+    # decoder is given (after the scaling factor) on good clips; outside it, the render check
+    # rejects the clip (latents decoded at another model's scaling factor). None: not checked
+    decode_input_rms: tuple[float, float] | None = None
 
     @property
     def renoise(self) -> float:
@@ -437,6 +441,7 @@ def _teacher_and_world(path: Path, extra: dict) -> dict:
             out["renoise_shared"] = check_noise_shared(extra["renoise_shared"], "renoise_shared")
         out["frame_markers"] = check_markers(extra.get("frame_markers"))
         out["decode_range"] = check_decode_range(extra.get("decode_range"))
+        out["decode_input_rms"] = check_decode_input_rms(extra.get("decode_input_rms"))
     except ValueError as e:
         raise ModelError(f"{path / 'clipmill.json'}: {e}") from None
     if extra.get("teacher"):
@@ -459,6 +464,20 @@ def check_decode_range(value) -> float | None:
         raise ValueError(f"decode_range={value!r}: allowed a number above 1 (the largest |value| a good clip's "
                          "VAE decode reaches before it is clipped to [-1, 1]), or no entry for no check")
     return float(value)
+
+
+def check_decode_input_rms(value) -> tuple[float, float] | None:
+    """clipmill.json's ``decode_input_rms`` as (low, high) with 0 < low < high (None when
+    absent), or a ValueError naming the field, the value and what is allowed."""
+    if value is None:
+        return None
+    ok = (isinstance(value, list | tuple) and len(value) == 2
+          and all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+          and 0 < value[0] < value[1])
+    if not ok:
+        raise ValueError(f"decode_input_rms={value!r}: allowed [low, high] with 0 < low < high (the range of the RMS "
+                         "of the latents a good clip's VAE decoder is given), or no entry for no check")
+    return float(value[0]), float(value[1])
 
 
 def _wan_info(model: str, path: Path) -> ModelInfo:

@@ -99,6 +99,7 @@ class ClipResult:
     timings: dict[str, float] = field(default_factory=dict)
     stats: dict = field(default_factory=dict)  # work done and skipped, for the benchmark
     decode_peak: float | None = None  # the largest |value| of the VAE's output before clipping (Renderer.render)
+    decode_input_rms: float | None = None  # the RMS of the latents its decoder was given (Renderer.decoder_input_rms)
 
 
 def compatible_key(req: ClipRequest) -> tuple:
@@ -273,12 +274,13 @@ class Renderer:
         t2 = time.perf_counter()
 
         # 4. decode each clip on its own (bounded memory), to uint8 frames; keep how far the
-        #    VAE's output went before clipping to [-1, 1] (NaN for a clip that went NaN; none for
-        #    the tiny decoder, whose range is its own)
-        videos, peaks = [], []
+        #    VAE's output went before clipping to [-1, 1] and the RMS of what its decoder was given
+        #    (NaN for a clip that went NaN; none for the tiny decoder, whose range is its own)
+        videos, peaks, rms = [], [], []
         for i in range(n):
             video = self.decode_float(latents[i : i + 1])
             peaks.append(None if self.tiny_vae is not None else float(video.float().abs().amax()))
+            rms.append(self.decoder_input_rms(latents[i : i + 1]))
             videos.append(_to_uint8(video)[0])
         t3 = time.perf_counter()
 
@@ -289,8 +291,8 @@ class Renderer:
             stats.update(long_shot={"context_length": free.context_length, "context_stride": free.context_stride})
         return [
             ClipResult(key=r.key, frames=v, fps=self.info.native_fps, timings=dict(share, group_size=n), stats=stats,
-                       decode_peak=p)
-            for r, v, p in zip(requests, videos, peaks)
+                       decode_peak=p, decode_input_rms=q)
+            for r, v, p, q in zip(requests, videos, peaks, rms)
         ]
 
     def long_shot_windows(self, frames: int) -> long_shot.FreeNoiseConfig | None:
@@ -418,6 +420,14 @@ class Renderer:
     def decode(self, latents: torch.Tensor, chunk: int = 16) -> np.ndarray:
         """Latents of one or more clips to uint8 frames (b, f, H, W, 3)."""
         return _to_uint8(self.decode_float(latents, chunk))
+
+    def decoder_input_rms(self, latents: torch.Tensor) -> float | None:
+        """The RMS of what ``decode`` gives the VAE's decoder for ``latents`` (the denoiser's
+        latents over the VAE's scaling factor); None for the tiny decoder and for Wan (whose
+        latents are de-normalised per channel)."""
+        if self.info.family == "wan" or self.tiny_vae is not None:
+            return None
+        return float(latents.float().pow(2).mean().sqrt()) / float(self.pipe.vae.config.scaling_factor)
 
     def decode_float(self, latents: torch.Tensor, chunk: int = 16) -> torch.Tensor:
         """Latents of one or more clips to the VAE's output (b, f, 3, H, W), before it is clipped

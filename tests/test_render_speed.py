@@ -454,7 +454,8 @@ def test_bench_json_has_every_row_with_ratios_deviations_and_quality_columns(tmp
 @pytest.mark.slow
 def test_bench_failures_renders_each_fault_and_qc_catches_the_nan_group(tiny_cache):
     """Each fault is real (NaN latents come out flat, the wrong VAE scaling changes the frames)
-    and comes off the model: after the run the UNet and VAE have no hooks left."""
+    and comes off the model: after the run the UNet and VAE have no hooks left, and the VAE's
+    config its own scaling factor."""
     from clipmill.jobs.bench import failures as fb
     from clipmill.pipeline.models import model_info
     from clipmill.pipeline.render import GroupSettings, Renderer
@@ -482,5 +483,9 @@ def test_bench_failures_renders_each_fault_and_qc_catches_the_nan_group(tiny_cac
         (ok,) = renderer.render(req, GroupSettings(tier="fast", sampler=info.scheduler))
         assert not bad.frames.any() and ok.frames.std() > 0  # the hook was on, then off
         assert hooks_on(renderer.pipe.unet) == [] and hooks_on(renderer.pipe.vae) == []
+        own = renderer.pipe.vae.config.scaling_factor  # the wrong scaling: the config's factor, put back after
+        with fb.fault(renderer, "vae-scaling", 6) as detail:
+            assert renderer.pipe.vae.config.scaling_factor == detail["decoded_with"] != own
+        assert renderer.pipe.vae.config.scaling_factor == own
     finally:
         renderer.close()

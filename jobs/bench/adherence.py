@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
-from clipmill.jobs.bench.failures import post, reason_kind
+from clipmill.jobs.bench.failures import clips_by_kind, post
 from clipmill.jobs.bench.ladder import world_requests
 from clipmill.jobs.core.defaults import DEFAULT_DRAWS
 from clipmill.jobs.runner.draws import render_drawing
@@ -57,15 +57,11 @@ def _rows(info: ModelInfo, teacher: ModelInfo | None) -> list[tuple[str, bool, G
     return rows
 
 
-def qc_pass_rate(results, fps_out: int, qc: QCConfig, decode_range: float | None = None) -> tuple[float, dict[str, int]]:
-    """The share of clips the post stage passes (QC and the render check), and its reasons' counts."""
-    passed, reasons = 0, {}
-    for r in results:
-        _, verdict = post(r, fps_out, qc, decode_range)
-        passed += verdict.verdict == "pass"
-        for reason in verdict.reasons:
-            reasons[reason_kind(reason)] = reasons.get(reason_kind(reason), 0) + 1
-    return passed / len(results), reasons
+def qc_pass_rate(results, fps_out: int, qc: QCConfig, info: ModelInfo | None = None) -> tuple[float, dict[str, int]]:
+    """The share of clips the post stage passes (QC and the render check), and how many clips
+    have a reason of each kind."""
+    verdicts = [post(r, fps_out, qc, info)[1] for r in results]
+    return sum(v.verdict == "pass" for v in verdicts) / len(results), clips_by_kind(verdicts)
 
 
 def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", group: int = 8, fps_out: int = 30,
@@ -107,7 +103,7 @@ def adherence_table(info: ModelInfo, clips: int = 200, device: str = "cpu", grou
                 "readers_agree": round(sum(x.label() == y for x, y in zip(a, second)) / clips, 4),
             }
             if not is_teacher:
-                rate, reasons = qc_pass_rate(results, fps_out, qc, info.decode_range)
+                rate, reasons = qc_pass_rate(results, fps_out, qc, info)
                 row["qc_passed"], row["qc_reasons"] = round(rate, 4), reasons
             out.append(row)
     finally:

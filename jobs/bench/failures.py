@@ -10,15 +10,17 @@ it) and broken in the ways a real video diffusion model breaks:
 - ``nan-mid-denoise``: the denoiser's output turns NaN from the middle step on, as an fp16
   overflow does, for the whole group (each group from its own middle step);
 - ``wrong-vae-scaling``: latents decoded with Stable Diffusion's scaling factor 0.18215 instead
-  of the model's own (or, where the two are close, not unscaled at all).
+  of the model's own (or, where the two are close, not unscaled at all): the VAE's config says
+  so for the kind's renders, as a config or VAE swapped in from another model would.
 
 Each clip then goes through the post stage's own code (interpolation, H.264, decode, QC at the
-given thresholds, and the render check of the decode's range where the model states one). A kind's ``caught`` is the share QC rejects; for the good renders, ``passed``
-is the share it lets through. Beside them, what shows whether a kind is visibly broken at all:
+given thresholds, and the render check of the decode where the model states its limits). A
+kind's ``caught`` is the share the post stage rejects; for the good renders, ``passed`` is the
+share it lets through. Beside them, what shows whether a kind is visibly broken at all:
 the analyzer's adherence and the PSNR against the good render of the same prompt and seed.
 
-Every fault is a removable torch hook or a render setting: nothing stays on the model after a
-kind is done.
+Every fault is a removable torch hook, a config value put back, or a render setting: nothing
+stays on the model after a kind is done.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from clipmill.jobs.bench.ladder import psnr, world_requests
-from clipmill.jobs.runner.checks import decode_check, with_render_check
+from clipmill.jobs.runner.checks import clip_decode_check, with_render_check
 from clipmill.jobs.runner.stages import convert_and_check
 from clipmill.pipeline import shapes
 from clipmill.pipeline.deepcache import DeepCacheConfig
@@ -82,7 +84,7 @@ def fault(renderer: Renderer, name: str | None, steps: int):
     if name is None:
         yield {}
         return
-    handles, info = [], {}
+    handles, restore, info = [], [], {}
     if name == "nan":
         calls = {"n": 0}
         start = steps // 2  # the step from which the output is NaN (0-based)
@@ -93,13 +95,13 @@ def fault(renderer: Renderer, name: str | None, steps: int):
 
         handles.append(renderer.pipe.unet.conv_out.register_forward_hook(to_nan))
         info["nan_from_step"] = start + 1
-    elif name == "vae-scaling":
+    elif name == "vae-scaling":  # the VAE's config states another factor, as a swapped-in config or VAE would
         vae = renderer.pipe.vae
         own = float(vae.config.scaling_factor)
-        factor = own / SD_SCALING if abs(math.log(own / SD_SCALING)) > math.log(2) else own
-        info.update(model_scaling_factor=own, decoded_at=factor)
-        target = vae.post_quant_conv if getattr(vae, "post_quant_conv", None) is not None else vae.decoder
-        handles.append(target.register_forward_pre_hook(lambda m, args: (args[0] * factor, *args[1:])))
+        wrong = SD_SCALING if abs(math.log(own / SD_SCALING)) > math.log(2) else 1.0
+        info.update(model_scaling_factor=own, decoded_with=wrong, decoded_at=own / wrong)
+        vae.register_to_config(scaling_factor=wrong)
+        restore.append(lambda: vae.register_to_config(scaling_factor=own))
     else:
         raise ValueError(f"fault {name!r} is not known; allowed: nan, vae-scaling")
     try:
@@ -107,6 +109,8 @@ def fault(renderer: Renderer, name: str | None, steps: int):
     finally:
         for h in handles:
             h.remove()
+        for undo in restore:
+            undo()
         if name == "nan":
             info["denoiser_calls"] = calls["n"]
 
@@ -116,16 +120,26 @@ def reason_kind(reason: str) -> str:
     return reason.split(":")[0].split(" ")[0]
 
 
-def post(result: ClipResult, fps_out: int, qc: QCConfig, decode_range: float | None = None):
+def clips_by_kind(verdicts) -> dict[str, int]:
+    """How many of the verdicts have a reason of each kind (a clip counts once per kind, however
+    many reasons of it it has), most first."""
+    counts: dict[str, int] = {}
+    for v in verdicts:
+        for kind in dict.fromkeys(reason_kind(r) for r in v.reasons):
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def post(result: ClipResult, fps_out: int, qc: QCConfig, info: ModelInfo | None = None):
     """The post stage's verdict on a rendered clip: QC of its H.264, and the render check of its
-    decode's range (``jobs.runner.checks``) when the model states one."""
+    decode (``jobs.runner.checks``) against ``info``'s limits when the model states them."""
     fd, tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-failures-")
     os.close(fd)
     try:
         decoded, verdict, _, _ = convert_and_check(result.frames, result.fps, fps_out, tmp, qc)
     finally:
         os.unlink(tmp)
-    return decoded, with_render_check(verdict, decode_check(result.decode_peak, decode_range))
+    return decoded, verdict if info is None else with_render_check(verdict, clip_decode_check(result, info))
 
 
 def failures(info: ModelInfo, clips: int = 40, size: tuple[int, int] | None = None, frames: int | None = None,
@@ -150,17 +164,14 @@ def failures(info: ModelInfo, clips: int = 40, size: tuple[int, int] | None = No
             for i in range(0, len(reqs), group):  # each group gets the fault afresh (NaN from its own middle step)
                 with fault(renderer, kind.fault, kind.settings.steps) as detail:
                     results += renderer.render(reqs[i:i + group], kind.settings)
-            checked = [post(r, fps_out, qc, info.decode_range) for r in results]
+            checked = [post(r, fps_out, qc, info) for r in results]
             rejected = [v.verdict != "pass" for _, v in checked]
-            reasons: dict[str, int] = {}
-            for _, v in checked:
-                for r in v.reasons:
-                    reasons[reason_kind(r)] = reasons.get(reason_kind(r), 0) + 1
+            reasons = clips_by_kind(v for _, v in checked)
             a = [adh.analyze(d) for d, _ in checked]
             row = {
                 "kind": kind.name, "what": kind.what, "steps": kind.settings.steps, "guidance": kind.settings.guidance,
                 "clips": len(results), "rejected": sum(rejected), "reject_rate": round(sum(rejected) / len(results), 4),
-                "reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1])),
+                "reasons": reasons,
                 "adherence": {k: round(v, 4) for k, v in adh.adherence(a, specs).items()},
                 "psnr_vs_good_db": None if good is None else psnr(results, good),
                 "detail": detail,

@@ -38,7 +38,7 @@ from clipmill.pipeline.models import SHAPES, ModelError
               help="Instead of the ladder: render --quality-clips shapes-world prompts well and broken as real models "
                    "break (1-2 steps, guidance 12/16, a feature cache far too coarse, NaN latents mid-denoise, "
                    "the wrong VAE scaling) and report the post stage's catch rate on each (QC, and the render check "
-                   "of the decode's range where the model folder states one).")
+                   "of the decode where the model folder states its limits).")
 @click.option("--adherence", is_flag=True,
               help="Instead of the ladder (a shapes-world model only, at its own size and frames): adherence per "
                    "attribute of its teacher at 50, 8 and 6 DDIM steps and its student at both tiers on "

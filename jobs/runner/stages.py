@@ -29,7 +29,7 @@ from clipmill.jobs.core.operations import release
 from clipmill.jobs.core.preflight import SetupProblem
 from clipmill.jobs.core.queue import attempts_left
 from clipmill.jobs.core.settings import Settings
-from clipmill.jobs.runner.checks import VERDICT_KINDS, decode_check, with_render_check
+from clipmill.jobs.runner.checks import VERDICT_KINDS, clip_decode_check, with_render_check
 from clipmill.jobs.runner.draws import DEFAULT_DRAWS, check_draws, render_drawing
 from clipmill.jobs.core.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from clipmill.pipeline import shapes
@@ -185,7 +185,7 @@ def render_group(
             _fail(ctx.db, a.id, f"{traceback.format_exc()}{reason}")  # the job's reason is the last line
             continue
         timings = dict(res.timings, fps_in=res.fps, draws=d.draws)
-        timings.update(decode_check(res.decode_peak, renderer.info.decode_range))  # judged by the post stage
+        timings.update(clip_decode_check(res, renderer.info))  # judged by the post stage
         if d.draws > 1:
             timings["draws_extra_s"] = d.extra_s  # rendering the draws that were not kept
         try:

@@ -33,15 +33,18 @@ from .recipe import STAGE_ORDER
 from .stages import MarkerEmbeddings, _load_state, export_pipeline
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
-# what measure_decode_range renders: (frames, size) at both tiers, RANGE_CLIPS prompts each,
+# what measure_decode_limits renders: (frames, size) at both tiers, RANGE_CLIPS prompts each,
 # the default clip and the longest and largest ones the model takes (a larger frame reaches
-# further: more pixels). The range is the largest peak plus RANGE_HEADROOM, rounded up to the
-# next RANGE_ROUND: the largest of 32 good 128x128 renders varies by about 0.05 between draws
-# of prompts (1.18 and 1.24 for the shipped model)
+# further: more pixels). The decode range is the largest peak plus RANGE_HEADROOM, rounded up
+# to the next RANGE_ROUND: the largest of 32 good 128x128 renders varies by about 0.05 between
+# draws of prompts (1.18 and 1.24 for the shipped model). The decoder input's RMS range is the
+# measured one widened by RMS_WIDEN each way, rounded outward to RANGE_ROUND (a wrong scaling
+# factor moves it by the ratio of the two factors: 3.05 for Stable Diffusion's 0.18215)
 RANGE_SHAPES = ((shapes.FRAMES, shapes.SIZE), (16, shapes.SIZE), (shapes.FRAMES, 2 * shapes.SIZE))
 RANGE_CLIPS = 32
 RANGE_HEADROOM = 0.05
 RANGE_ROUND = 0.05
+RMS_WIDEN = 1.25
 MAX_FRAMES = 16  # the shapes world's range is 8-16 frames; training uses shapes.FRAMES
 TEACHER = "teacher"  # the teacher's folder inside the model folder
 RESUME = "resume"  # an unfinished teacher's trained (not averaged) UNet weights, inside its folder
@@ -54,8 +57,8 @@ def folder_bytes(path: Path) -> int:
 def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BYTES,
                  clean: Callable[[str], str] | None = None) -> Path:
     """Write the shapes model folder at ``dest`` from the checkpoints under ``ckpt_dir``; with
-    ``clean`` (the project's prompt cleaning), measure and write its ``decode_range`` too
-    (:func:`set_decode_range`).
+    ``clean`` (the project's prompt cleaning), measure and write its render-check limits too
+    (:func:`set_decode_limits`).
 
     Raises FileNotFoundError when the student stage has not finished, and ValueError when the
     folder would exceed ``max_bytes``; ``dest`` is left as it was in both cases.
@@ -122,7 +125,7 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
         for folder in (tmp, tmp / TEACHER):  # both load as the renderer loads them
             AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
         if clean is not None:
-            set_decode_range(tmp, clean)
+            set_decode_limits(tmp, clean)
         _replace(tmp, dest)
     finally:
         if tmp.exists():
@@ -130,20 +133,22 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     return dest
 
 
-def measure_decode_range(folder: Path | str, clean: Callable[[str], str], clips: int = RANGE_CLIPS,
-                         seed: int = 0) -> tuple[float, dict]:
-    """The model's ``decode_range`` (``ModelInfo.decode_range``, the render check's limit): the
-    largest |value| its VAE's output reaches, before clipping to [-1, 1], on good renders of
-    ``clips`` shapes prompts (cleaned by ``clean``, as the renderer is given them) for each of
-    :data:`RANGE_SHAPES` at both tiers, plus :data:`RANGE_HEADROOM`, rounded up to the next
-    :data:`RANGE_ROUND`.
+def measure_decode_limits(folder: Path | str, clean: Callable[[str], str], clips: int = RANGE_CLIPS,
+                          seed: int = 0) -> dict:
+    """The model's render-check limits (``ModelInfo.decode_range`` and ``decode_input_rms``),
+    measured on good renders of ``clips`` shapes prompts (cleaned by ``clean``, as the renderer
+    is given them) for each of :data:`RANGE_SHAPES` at both tiers:
 
-    Returns the range and the largest peak per (tier, frames, size)."""
+    - ``decode_range``: the largest |value| the VAE's output reaches before clipping to [-1, 1],
+      plus :data:`RANGE_HEADROOM`, rounded up to the next :data:`RANGE_ROUND`;
+    - ``decode_input_rms``: the range of the RMS of the latents its decoder is given, widened
+      by :data:`RMS_WIDEN` each way and rounded outward to :data:`RANGE_ROUND`;
+    - ``measured``: the largest peak and the RMS range per (tier, frames, size)."""
     info = model_info(str(folder))
     rng = np.random.default_rng([seed, 0xDEC0])
     specs = shapes.all_specs()
     renderer = Renderer(info)
-    peaks: dict[str, float] = {}
+    measured: dict[str, dict] = {}
     try:
         for frames, size in RANGE_SHAPES:
             reqs = []
@@ -155,26 +160,42 @@ def measure_decode_range(folder: Path | str, clean: Callable[[str], str], clips:
             for tier in TIERS:
                 settings = GroupSettings(tier=tier, sampler=info.scheduler)
                 results = [r for k in range(0, clips, 4) for r in renderer.render(reqs[k:k + 4], settings)]
-                peaks[f"{tier} {frames} frames {size}x{size}"] = round(max(r.decode_peak for r in results), 4)
+                rms = [r.decode_input_rms for r in results]
+                measured[f"{tier} {frames} frames {size}x{size}"] = {
+                    "peak": round(max(r.decode_peak for r in results), 4),
+                    "input_rms": [round(min(rms), 4), round(max(rms), 4)]}
     finally:
         renderer.close()
-    return round(math.ceil((max(peaks.values()) + RANGE_HEADROOM) / RANGE_ROUND - 1e-9) * RANGE_ROUND, 4), peaks
+    peak = max(m["peak"] for m in measured.values())
+    low = min(m["input_rms"][0] for m in measured.values())
+    high = max(m["input_rms"][1] for m in measured.values())
+
+    def step(x: float, up: bool) -> float:
+        return round((math.ceil(x / RANGE_ROUND - 1e-9) if up else math.floor(x / RANGE_ROUND + 1e-9)) * RANGE_ROUND, 4)
+
+    return {"decode_range": step(peak + RANGE_HEADROOM, True),
+            "decode_input_rms": [step(low / RMS_WIDEN, False), step(high * RMS_WIDEN, True)],
+            "measured": measured}
 
 
-def set_decode_range(folder: Path | str, clean: Callable[[str], str]) -> float:
-    """Measure ``folder``'s decode range (:func:`measure_decode_range`) and write it into its
-    clipmill.json and its teacher's (the same VAE), with the peaks it was measured from."""
+def set_decode_limits(folder: Path | str, clean: Callable[[str], str]) -> dict:
+    """Measure ``folder``'s render-check limits (:func:`measure_decode_limits`) and write them
+    into its clipmill.json and its teacher's (the same VAE), with what they were measured from."""
     folder = Path(folder)
-    value, peaks = measure_decode_range(folder, clean)
+    limits = measure_decode_limits(folder, clean)
     for meta_path in (folder / "clipmill.json", folder / TEACHER / "clipmill.json"):
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
-            meta["decode_range"] = value
-            meta["decode_range_measured"] = {
-                "rule": f"the largest peak plus {RANGE_HEADROOM:g}, rounded up to the next {RANGE_ROUND:g}",
-                "peaks": peaks}
+            meta.pop("decode_range_measured", None)
+            meta["decode_range"] = limits["decode_range"]
+            meta["decode_input_rms"] = limits["decode_input_rms"]
+            meta["decode_limits_measured"] = {
+                "rule": f"decode_range: the largest peak plus {RANGE_HEADROOM:g}, rounded up to the next "
+                        f"{RANGE_ROUND:g}; decode_input_rms: the range measured, widened {RMS_WIDEN:g}x each way, "
+                        f"rounded outward to {RANGE_ROUND:g}",
+                "renders": limits["measured"]}
             meta_path.write_text(json.dumps(meta, indent=1, ensure_ascii=False))
-    return value
+    return limits
 
 
 def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
