@@ -2,9 +2,10 @@
 
 QC judges frames and is blind to how a clip was made. One failure of a real model is easier to
 see before the frames exist: latents decoded at the wrong scale (a VAE's ``scaling_factor`` from
-another model family) make the decoder's output overshoot far beyond the [-1, 1] it is clipped
-to. On a background of the padding's own colour the clipped frames look merely contrasty, and QC
-lets most of them through; the overshoot itself is unmistakable.
+another model family) reach the decoder too large or too small, and its output mostly
+overshoots the [-1, 1] it is clipped to. On a background of the padding's own colour the
+clipped frames look merely contrasty, and QC lets most of them through; the decoder's input is
+unmistakable.
 
 A model folder states how far its good decodes go (``clipmill.json`` ``"decode_range"``,
 ``ModelInfo.decode_range``), and the range of the RMS of the latents its decoder is given on
