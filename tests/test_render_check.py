@@ -66,20 +66,18 @@ def test_a_model_folder_states_its_limits_and_a_bad_value_is_refused(tmp_path):
     shutil.copytree(SHAPES_DIR, folder, ignore=shutil.ignore_patterns("teacher", "*.safetensors"))
     meta = json.loads((folder / "clipmill.json").read_text())
     meta.pop("teacher")
-    for value in (0.9, 1, "wide", True, math.inf):
-        (folder / "clipmill.json").write_text(json.dumps({**meta, "decode_range": value}))
-        with pytest.raises(ModelError) as e:
-            model_info(str(folder))
-        assert str(e.value) == (f"{folder / 'clipmill.json'}: decode_range={value!r}: allowed a number above 1 (the "
-                                "largest |value| a good clip's VAE decode reaches before it is clipped to [-1, 1]), "
-                                "or no entry for no check")
-    for value in ([2.6, 1.0], [0, 2], [1.0], "1-2", [1, True]):
-        (folder / "clipmill.json").write_text(json.dumps({**meta, "decode_input_rms": value}))
-        with pytest.raises(ModelError) as e:
-            model_info(str(folder))
-        assert str(e.value) == (f"{folder / 'clipmill.json'}: decode_input_rms={value!r}: allowed [low, high] with "
-                                "0 < low < high (the range of the RMS of the latents a good clip's VAE decoder is "
-                                "given), or no entry for no check")
+    allowed = {"decode_range": "a number above 1 (the largest |value| a good clip's VAE decode reaches before it is "
+                               "clipped to [-1, 1])",
+               "decode_input_rms": "[low, high] with 0 < low < high (the range of the RMS of the latents a good "
+                                   "clip's VAE decoder is given)"}
+    for key, values in (("decode_range", (0.9, 1, "wide", True, math.inf)),
+                        ("decode_input_rms", ([2.6, 1.0], [0, 2], [1.0], "1-2", [1, True]))):
+        for value in values:
+            (folder / "clipmill.json").write_text(json.dumps({**meta, key: value}))
+            with pytest.raises(ModelError) as e:
+                model_info(str(folder))
+            assert str(e.value) == (f"{folder / 'clipmill.json'}: {key}={value!r}: allowed {allowed[key]}, "
+                                    "or no entry for no check")
     (folder / "clipmill.json").write_text(json.dumps({k: v for k, v in meta.items()
                                                       if k not in ("decode_range", "decode_input_rms")}))
     assert model_info(str(folder)).decode_range is None and model_info(str(folder)).decode_input_rms is None
