@@ -486,6 +486,9 @@ def _wan_info(model: str, path: Path) -> ModelInfo:
     extra = _read_json(path / "clipmill.json")
     try:
         decode_range = check_decode_range(extra.get("decode_range"))
+        if (rms := extra.get("decode_input_rms")) is not None:  # refused, not ignored
+            raise ValueError(f"decode_input_rms={rms!r}: not read for a Wan folder (its latents are de-normalised "
+                             "per channel before decoding); state decode_range only")
     except ValueError as e:
         raise ModelError(f"{path / 'clipmill.json'}: {e}") from None
     temporal = 2 ** sum(bool(x) for x in vae_cfg.get("temperal_downsample", [False, True, True]))

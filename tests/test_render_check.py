@@ -81,6 +81,17 @@ def test_a_model_folder_states_its_limits_and_a_bad_value_is_refused(tmp_path):
     (folder / "clipmill.json").write_text(json.dumps({k: v for k, v in meta.items()
                                                       if k not in ("decode_range", "decode_input_rms")}))
     assert model_info(str(folder)).decode_range is None and model_info(str(folder)).decode_input_rms is None
+    # a Wan folder takes decode_range; its input measure is refused, not ignored
+    wan = tmp_path / "wan"
+    wan.mkdir()
+    (wan / "model_index.json").write_text(json.dumps({"transformer": ["diffusers", "WanTransformer3DModel"]}))
+    (wan / "clipmill.json").write_text(json.dumps({"decode_range": 1.4}))
+    assert model_info(str(wan)).decode_range == 1.4 and model_info(str(wan)).decode_input_rms is None
+    (wan / "clipmill.json").write_text(json.dumps({"decode_range": 1.4, "decode_input_rms": [1, 2]}))
+    with pytest.raises(ModelError) as e:
+        model_info(str(wan))
+    assert str(e.value) == (f"{wan / 'clipmill.json'}: decode_input_rms=[1, 2]: not read for a Wan folder (its "
+                            "latents are de-normalised per channel before decoding); state decode_range only")
 
 
 @pytest.mark.slow

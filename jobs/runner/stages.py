@@ -341,7 +341,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         os.close(fd)
         try:
             decoded, result, series, steps = convert_and_check(raw, fps_in, job.fps, tmp, ctx.qc_config)
-            result = with_render_check(result, a.timings)  # the decode's range, recorded by the render stage
+            result = with_render_check(result, a.timings)  # the decode's measures, recorded by the render stage
             steps["retime_s"] += loaded - t0  # reading the raw frames counts with the retime
             t3 = time.perf_counter()
             files = {

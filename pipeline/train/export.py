@@ -186,7 +186,6 @@ def set_decode_limits(folder: Path | str, clean: Callable[[str], str]) -> dict:
     for meta_path in (folder / "clipmill.json", folder / TEACHER / "clipmill.json"):
         if meta_path.exists():
             meta = json.loads(meta_path.read_text())
-            meta.pop("decode_range_measured", None)
             meta["decode_range"] = limits["decode_range"]
             meta["decode_input_rms"] = limits["decode_input_rms"]
             meta["decode_limits_measured"] = {
