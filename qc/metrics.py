@@ -47,6 +47,17 @@ BOIL_EDGE_NOISE = 8.0
 # longer shifts, and that residual read as boiling (pans over brick from 7 px/frame at 24 fps,
 # over most photographs from 10-12: 13 of 135 fast-pan clips rejected, twenty-third session)
 BOIL_MAX_SHIFT = 16.0
+# Inside a small flat shape every window lies near the shape's own outline, so the edge allowance
+# (averaged over the window) excused the whole inside, and a shape boiling 5-10 levels read 0
+# (thirty-second session). So the same measure is also taken over the pixels away from strong
+# content edges only (a gradient above BOIL_STRONG_EDGE levels/px, luma or a colour channel, at
+# 1 px, in either frame; grown by BOIL_STRONG_GROW px), with the edge allowance of those pixels'
+# own content (its gradient at 1 px, so an outline 3 px away does not count; at 1.5 px a fine
+# check near a shape's outline was no longer excused), where they are more than BOIL_INSIDE_SHARE
+# of the window; a window reads the larger of the two
+BOIL_STRONG_EDGE = 25.0
+BOIL_STRONG_GROW = 5
+BOIL_INSIDE_SHARE = 0.35
 
 
 @dataclass
@@ -186,23 +197,33 @@ def colour_gradients(rgb: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.
     return (jxx + jyy).max(axis=-1), (jxx.sum(axis=-1), jyy.sum(axis=-1), (gx * gy).sum(axis=-1))
 
 
-def _isotropic_band(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarray],
-                    box: tuple[int, int]) -> np.ndarray:
-    """Band-pass energy of ``band`` averaged over ``box``, where content edges are counted by
-    the part of it that does not follow them: the content's structure ``tensor`` (jxx, jyy, jxy;
-    :func:`structure_tensor`) gives each pixel's edge normal and strength; at an edge, the energy
-    is scaled by twice the share of the band's gradient energy along the edge (1 for texture that
-    varies every way, near 0 for a residual that varies across the edge only), at most 1."""
+def _edge_parts(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(w, along, across) for :func:`_isotropic_band`: each pixel's edge weight from the content's
+    structure ``tensor``, and the squared gradient of ``band`` along and across that edge."""
     jxx, jyy, jxy = tensor
     half = 0.5 * (jxx + jyy)
     strength = half + np.sqrt(np.maximum(half * half - (jxx * jyy - jxy * jxy), 0.0))  # largest eigenvalue
     theta = 0.5 * np.arctan2(2 * jxy, jxx - jyy)  # edge normal
     nx, ny = np.cos(theta), np.sin(theta)
     bx, by = gradient(band)
-    along, across = (by * nx - bx * ny) ** 2, (bx * nx + by * ny) ** 2
-    w = strength / (strength + BOIL_EDGE_NOISE)
-    iso = np.minimum(1.0, 2 * cv2.blur(w * along, box) / (cv2.blur(w * (along + across), box) + 1e-6))
-    e = band * band
+    return strength / (strength + BOIL_EDGE_NOISE), (by * nx - bx * ny) ** 2, (bx * nx + by * ny) ** 2
+
+
+def _isotropic_band(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarray],
+                    box: tuple[int, int], mask: np.ndarray | None = None,
+                    parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Band-pass energy of ``band`` summed over ``box`` and divided by its area, where content
+    edges are counted by the part of it that does not follow them: the content's structure
+    ``tensor`` (jxx, jyy, jxy; :func:`structure_tensor`) gives each pixel's edge normal and
+    strength; at an edge, the energy is scaled by twice the share of the band's gradient energy
+    along the edge (1 for texture that varies every way, near 0 for a residual that varies across
+    the edge only), at most 1. With ``mask`` (0..1 per pixel) only the pixels it keeps count.
+    ``parts`` is :func:`_edge_parts` of the same band and tensor where the caller has it."""
+    w, along, across = _edge_parts(band, tensor) if parts is None else parts
+    m = 1.0 if mask is None else mask
+    iso = np.minimum(1.0, 2 * cv2.blur(m * w * along, box) / (cv2.blur(m * w * (along + across), box) + 1e-6))
+    e = m * band * band
     return cv2.blur((1 - w) * e, box) + cv2.blur(w * e, box) * iso
 
 
@@ -232,7 +253,10 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
        blurred at 3 px (content edges without the texture), or the colour edges where larger:
        the noise floor is the fine-band energy measured in the same place, so heavy grain raises
        its own allowance; a window whose valid share is BOIL_VALID_SHARE or less reads NaN (not
-       measured).
+       measured);
+    5. the same over the pixels away from strong content edges only (inside a shape), with the
+       allowance of those pixels' own content gradient (BOIL_STRONG_EDGE and below); the larger of
+       the two is kept.
     """
     fl = flow(np.clip(a, 0, 255).astype(np.uint8), np.clip(b, 0, 255).astype(np.uint8))
     if rgb is not None and BOIL_CHROMA_FLOW:
@@ -256,10 +280,46 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     if rgb is not None:
         colour = colour_gradients(rgb[0])[1] if colour_tensor is None else colour_tensor
         tensor = tuple(t + c for t, c in zip(tensor, colour))
-    band_energy = _isotropic_band(band, tensor, box)
+    parts = _edge_parts(band, tensor)
+    band_energy = _isotropic_band(band, tensor, box, parts=parts)
     excess = (band_energy - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
     excess -= BOIL_EDGE * cv2.blur(grad2, box)
-    return np.where(share > BOIL_VALID_SHARE, excess, np.nan)
+    excess = np.where(share > BOIL_VALID_SHARE, excess, np.nan)
+    # 5. away from strong edges (inside a shape), with only those pixels' own edges allowed for
+    own = _gradient2(ref, None if rgb is None else rgb[0], 1.0)
+    grown = cv2.dilate(_strong_edges(own, rgb, fl), np.ones((BOIL_STRONG_GROW,) * 2, np.uint8))
+    inside = valid * (1 - grown).astype(np.float32)
+    inside_share = cv2.blur(inside, box)
+    inner = (_isotropic_band(band, tensor, box, inside, parts) - BOIL_GRAIN_SHARE * cv2.blur(inside * fine * fine, box)
+             - BOIL_EDGE * cv2.blur(inside * own, box)) / np.maximum(inside_share, 1e-3)
+    # (measured only where the window itself is: a flow failure leaves it to the pair on the other side)
+    return np.fmax(excess, np.where((inside_share > BOIL_INSIDE_SHARE) & (share > BOIL_VALID_SHARE), inner, np.nan))
+
+
+def _gradient2(gray: np.ndarray | None, rgb: np.ndarray | None, blur: float) -> np.ndarray:
+    """Squared content gradient (levels^2/px^2) at ``blur`` px: the luma's, or a colour channel's
+    where larger (either may be None)."""
+    g2 = []
+    if gray is not None:
+        gx, gy = gradient(cv2.GaussianBlur(gray, (0, 0), blur))
+        g2.append(gx * gx + gy * gy)
+    if rgb is not None:
+        cx, cy = gradient(cv2.GaussianBlur(rgb.astype(np.float32), (0, 0), blur))
+        g2.append((cx * cx + cy * cy).max(axis=-1))
+    return g2[0] if len(g2) == 1 else np.maximum(g2[0], g2[1])
+
+
+def _strong_edges(own: np.ndarray, rgb: tuple[np.ndarray, np.ndarray] | None, fl: np.ndarray) -> np.ndarray:
+    """uint8 mask of strong content edges (BOIL_STRONG_EDGE) at 1 px: ``own`` is the squared
+    gradient of the pair's mean luma or the first frame's colour channels (:func:`_gradient2`), and
+    with ``rgb`` the second frame's colour channels count too, both where they are and warped onto the first with the pair's flow ``fl`` (where the flow lost an object,
+    its outline is in the residual at both places)."""
+    limit = BOIL_STRONG_EDGE * BOIL_STRONG_EDGE
+    strong = own > limit
+    if rgb is not None:
+        other = _gradient2(None, rgb[1], 1.0) > limit
+        strong |= other | (warp(other.astype(np.float32), fl) > 0.5)
+    return strong.astype(np.uint8)
 
 
 def _texture_speed(a: np.ndarray, fl: np.ndarray, inner: tuple) -> float:
