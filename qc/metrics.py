@@ -311,9 +311,10 @@ def _gradient2(gray: np.ndarray | None, rgb: np.ndarray | None, blur: float) -> 
 
 def _strong_edges(own: np.ndarray, rgb: tuple[np.ndarray, np.ndarray] | None, fl: np.ndarray) -> np.ndarray:
     """uint8 mask of strong content edges (BOIL_STRONG_EDGE) at 1 px: ``own`` is the squared
-    gradient of the pair's mean luma or the first frame's colour channels (:func:`_gradient2`), and
-    with ``rgb`` the second frame's colour channels count too, both where they are and warped onto the first with the pair's flow ``fl`` (where the flow lost an object,
-    its outline is in the residual at both places)."""
+    gradient of the pair's mean luma or the first frame's colour channels (:func:`_gradient2`);
+    with ``rgb`` the second frame's colour channels count too, both where they are and warped
+    onto the first with the pair's flow ``fl`` (where the flow lost an object, its outline is in
+    the residual at both places)."""
     limit = BOIL_STRONG_EDGE * BOIL_STRONG_EDGE
     strong = own > limit
     if rgb is not None:
