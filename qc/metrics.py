@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cv2
 import numpy as np
@@ -182,19 +183,30 @@ def structure_tensor(image: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
     return jxx, jyy, jxy
 
 
-def colour_gradients(rgb: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """A (h, w, 3) uint8 frame's colour gradients, blurred at BOIL_COLOUR_BLUR, computed once for
-    both of their uses: (edges, tensor).
+class ColourGradients(NamedTuple):
+    """One RGB frame's colour gradients, computed once per frame (:func:`colour_gradients`)."""
 
-    ``edges``: the squared gradient, the largest over the three channels, on the same scale as the
-    luma gradient ``boiling_map`` allows for: the edges that luma does not show (a saturated object
-    on a background of about its brightness), where the luma flow cannot follow the content and
-    leaves a residual that is not boiling. ``tensor``: the three channels' structure tensor, which
-    gives those edges their direction (:func:`_isotropic_band`)."""
+    edges: np.ndarray  # squared gradient blurred at BOIL_COLOUR_BLUR, the largest over the channels
+    tensor: tuple[np.ndarray, np.ndarray, np.ndarray]  # the channels' structure tensor, same blur
+    fine: np.ndarray  # squared gradient at 1 px, the largest over the channels (strong edges, step 5)
+
+
+def colour_gradients(rgb: np.ndarray) -> ColourGradients:
+    """A (h, w, 3) uint8 frame's colour gradients, computed once for all of their uses in
+    ``boiling_map`` (a sampled frame is in two pairs, its neighbours in one or two).
+
+    ``edges``: the squared gradient blurred at BOIL_COLOUR_BLUR, the largest over the three
+    channels, on the same scale as the luma gradient ``boiling_map`` allows for: the edges that
+    luma does not show (a saturated object on a background of about its brightness), where the
+    luma flow cannot follow the content and leaves a residual that is not boiling. ``tensor``: the
+    three channels' structure tensor at the same blur, which gives those edges their direction
+    (:func:`_isotropic_band`). ``fine``: the squared gradient at 1 px (:func:`_gradient2`), which
+    finds the strong edges that step 5 leaves out and the allowance of what is left."""
     g = cv2.GaussianBlur(rgb.astype(np.float32), (0, 0), BOIL_COLOUR_BLUR)
     gx, gy = gradient(g)
     jxx, jyy = gx * gx, gy * gy
-    return (jxx + jyy).max(axis=-1), (jxx.sum(axis=-1), jyy.sum(axis=-1), (gx * gy).sum(axis=-1))
+    return ColourGradients((jxx + jyy).max(axis=-1), (jxx.sum(axis=-1), jyy.sum(axis=-1), (gx * gy).sum(axis=-1)),
+                           _gradient2(None, rgb, 1.0))
 
 
 def _edge_parts(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -230,7 +242,7 @@ def _isotropic_band(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.n
 def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
                 edges: tuple[np.ndarray, np.ndarray] | None = None,
                 rgb: tuple[np.ndarray, np.ndarray] | None = None,
-                colour_tensor: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                colour: tuple[ColourGradients, ColourGradients] | None = None) -> np.ndarray:
     """Per pixel of ``a`` (float32 gray): band-pass energy of the motion-compensated residual
     against ``b`` above what grain and content edges explain, luma^2, averaged over a local window.
     ``edges`` are the colour edges (:func:`colour_gradients`) of ``a`` and of ``b``; ``b``'s are
@@ -239,8 +251,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
 
     ``rgb`` (the RGB frames ``a`` and ``b`` were made from) lets the flow follow colour too, and
     ``a``'s colour channels give edges that luma does not show their direction (step 3);
-    ``colour_tensor`` is their structure tensor where the caller has it already
-    (:func:`colour_gradients`), else it is computed from ``rgb``.
+    ``colour`` is :func:`colour_gradients` of both frames of ``rgb`` where the caller has them
+    already, else they are computed here.
 
     1. flow a -> b (DIS on luma; with ``rgb`` and BOIL_CHROMA_FLOW, a chroma flow kept per pixel
        where it explains the colour frames better, :func:`~clipmill.pipeline.flow.colour_flow`),
@@ -278,16 +290,19 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     share = cv2.blur(valid, box)
     # the edges' directions: luma, and each colour channel (an edge luma does not show)
     if rgb is not None:
-        colour = colour_gradients(rgb[0])[1] if colour_tensor is None else colour_tensor
-        tensor = tuple(t + c for t, c in zip(tensor, colour))
+        if colour is None:
+            colour = (colour_gradients(rgb[0]), colour_gradients(rgb[1]))
+        tensor = tuple(t + c for t, c in zip(tensor, colour[0].tensor))
     parts = _edge_parts(band, tensor)
     band_energy = _isotropic_band(band, tensor, box, parts=parts)
     excess = (band_energy - BOIL_GRAIN_SHARE * cv2.blur(fine * fine, box)) / np.maximum(share, 0.3)
     excess -= BOIL_EDGE * cv2.blur(grad2, box)
     excess = np.where(share > BOIL_VALID_SHARE, excess, np.nan)
     # 5. away from strong edges (inside a shape), with only those pixels' own edges allowed for
-    own = _gradient2(ref, None if rgb is None else rgb[0], 1.0)
-    grown = cv2.dilate(_strong_edges(own, rgb, fl), np.ones((BOIL_STRONG_GROW,) * 2, np.uint8))
+    own = _gradient2(ref, None, 1.0)
+    if colour is not None:
+        own = np.maximum(own, colour[0].fine)
+    grown = cv2.dilate(_strong_edges(own, None if colour is None else colour[1].fine, fl), np.ones((BOIL_STRONG_GROW,) * 2, np.uint8))
     inside = valid * (1 - grown).astype(np.float32)
     inside_share = cv2.blur(inside, box)
     inner = (_isotropic_band(band, tensor, box, inside, parts) - BOIL_GRAIN_SHARE * cv2.blur(inside * fine * fine, box)
@@ -309,17 +324,17 @@ def _gradient2(gray: np.ndarray | None, rgb: np.ndarray | None, blur: float) -> 
     return g2[0] if len(g2) == 1 else np.maximum(g2[0], g2[1])
 
 
-def _strong_edges(own: np.ndarray, rgb: tuple[np.ndarray, np.ndarray] | None, fl: np.ndarray) -> np.ndarray:
+def _strong_edges(own: np.ndarray, other: np.ndarray | None, fl: np.ndarray) -> np.ndarray:
     """uint8 mask of strong content edges (BOIL_STRONG_EDGE) at 1 px: ``own`` is the squared
     gradient of the pair's mean luma or the first frame's colour channels (:func:`_gradient2`);
-    with ``rgb`` the second frame's colour channels count too, both where they are and warped
-    onto the first with the pair's flow ``fl`` (where the flow lost an object, its outline is in
-    the residual at both places)."""
+    ``other``, the second frame's colour channels' (``ColourGradients.fine``), counts too, both
+    where it is and warped onto the first with the pair's flow ``fl`` (where the flow lost an
+    object, its outline is in the residual at both places)."""
     limit = BOIL_STRONG_EDGE * BOIL_STRONG_EDGE
     strong = own > limit
-    if rgb is not None:
-        other = _gradient2(None, rgb[1], 1.0) > limit
-        strong |= other | (warp(other.astype(np.float32), fl) > 0.5)
+    if other is not None:
+        far = other > limit
+        strong |= far | (warp(far.astype(np.float32), fl) > 0.5)
     return strong.astype(np.uint8)
 
 
@@ -379,12 +394,12 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
             # a camera move they excused the wrong places: README, Boiling)
             # (each frame's colour gradients are computed once: colour_gradients)
             grads = None if rgb is None else {o: colour_gradients(rgb[o]) for o in (i, i + k, i - k) if 0 <= o < n}
-            tensor = None if grads is None else grads[i][1]
 
             def side(o: int) -> np.ndarray:
                 if grads is None:
                     return boiling_map(gray[i], gray[o], flow)
-                return boiling_map(gray[i], gray[o], flow, (grads[i][0], grads[o][0]), (rgb[i], rgb[o]), tensor)
+                return boiling_map(gray[i], gray[o], flow, (grads[i].edges, grads[o].edges), (rgb[i], rgb[o]),
+                                   (grads[i], grads[o]))
 
             m = side(i + k)
             if both:  # a window left out on one side (a flow failure, an occlusion) is read on the other

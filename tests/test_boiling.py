@@ -51,7 +51,7 @@ def test_band_energy_at_an_edge_counts_what_does_not_follow_it():
     rgb = frame(0.0)
     luma = rgb @ to_luma
     tensor = tuple(t + c for t, c in zip(metrics.structure_tensor(cv2.GaussianBlur(luma, (0, 0), 3.0)),
-                                         metrics.colour_gradients(rgb)[1]))
+                                         metrics.colour_gradients(rgb).tensor))
     box = (metrics.BOIL_WINDOW, metrics.BOIL_WINDOW)
     near = (np.abs(across) < 3) & (np.abs(xx - 64) < 30) & (np.abs(yy - 64) < 30)
     far = (across < -25) & (xx > 8) & (yy > 8)
