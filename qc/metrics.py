@@ -302,7 +302,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     own = _gradient2(ref, None, 1.0)
     if colour is not None:
         own = np.maximum(own, colour[0].fine)
-    grown = cv2.dilate(_strong_edges(own, None if colour is None else colour[1].fine, fl), np.ones((BOIL_STRONG_GROW,) * 2, np.uint8))
+    strong = _strong_edges(own, None if colour is None else colour[1].fine, fl)
+    grown = cv2.dilate(strong, np.ones((BOIL_STRONG_GROW,) * 2, np.uint8))
     inside = valid * (1 - grown).astype(np.float32)
     inside_share = cv2.blur(inside, box)
     inner = (_isotropic_band(band, tensor, box, inside, parts) - BOIL_GRAIN_SHARE * cv2.blur(inside * fine * fine, box)
