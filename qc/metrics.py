@@ -252,7 +252,7 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     ``rgb`` (the RGB frames ``a`` and ``b`` were made from) lets the flow follow colour too, and
     ``a``'s colour channels give edges that luma does not show their direction (step 3);
     ``colour`` is :func:`colour_gradients` of both frames of ``rgb`` where the caller has them
-    already, else they are computed here.
+    already (then ``edges`` left out are theirs), else they are computed here.
 
     1. flow a -> b (DIS on luma; with ``rgb`` and BOIL_CHROMA_FLOW, a chroma flow kept per pixel
        where it explains the colour frames better, :func:`~clipmill.pipeline.flow.colour_flow`),
@@ -270,6 +270,8 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
        allowance of those pixels' own content gradient (BOIL_STRONG_EDGE and below); the larger of
        the two is kept.
     """
+    if edges is None and colour is not None:
+        edges = (colour[0].edges, colour[1].edges)
     fl = flow(np.clip(a, 0, 255).astype(np.uint8), np.clip(b, 0, 255).astype(np.uint8))
     if rgb is not None and BOIL_CHROMA_FLOW:
         fl = colour_flow(flow, rgb[0], rgb[1], fl)
@@ -399,8 +401,7 @@ def boiling_series(gray: np.ndarray, step: int, area: float, inner: tuple,
             def side(o: int) -> np.ndarray:
                 if grads is None:
                     return boiling_map(gray[i], gray[o], flow)
-                return boiling_map(gray[i], gray[o], flow, (grads[i].edges, grads[o].edges), (rgb[i], rgb[o]),
-                                   (grads[i], grads[o]))
+                return boiling_map(gray[i], gray[o], flow, rgb=(rgb[i], rgb[o]), colour=(grads[i], grads[o]))
 
             m = side(i + k)
             if both:  # a window left out on one side (a flow failure, an occlusion) is read on the other
