@@ -82,8 +82,13 @@ def decode(path: str | Path) -> tuple[np.ndarray, float]:
             out = None  # filled in place when the container states its frame count
             if stream.frames and stream.codec_context.width and stream.codec_context.height:
                 out = np.empty((stream.frames, stream.codec_context.height, stream.codec_context.width, 3), np.uint8)
-            frames, n = [], 0
+            frames, n, size = [], 0, None
             for f in container.decode(stream):
+                if size is None:
+                    size = (f.width, f.height)
+                elif (f.width, f.height) != size:
+                    raise VideoError(f"{path}: frame {n} is {f.width}x{f.height} but frame 0 is {size[0]}x{size[1]}; "
+                                     "a clip must keep one frame size (was it joined from two videos?)")
                 if out is not None and n < len(out) and (f.height, f.width) == out.shape[1:3]:
                     _rgb(f, out[n])
                 else:
@@ -95,7 +100,7 @@ def decode(path: str | Path) -> tuple[np.ndarray, float]:
         raise VideoError(f"{path}: the video stream has no frames")
     if out is None:
         return np.stack(frames), fps
-    if frames:  # more frames than stated, or a size change: rare, take the slow path
+    if frames:  # more frames than stated, or frames of another size than stated: rare, take the slow path
         return np.concatenate([out[: n - len(frames)], np.stack(frames)]), fps
     return out[:n], fps
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from clipmill.pipeline.retime import output_count, retime_linear
-from clipmill.pipeline.video import decode, encode_h264, probe
+from clipmill.pipeline.video import VideoError, decode, encode_h264, probe
 from clipmill.storage import LocalStorage, StorageError, open_storage
 
 
@@ -70,3 +70,32 @@ def test_h264_round_trip(tmp_path):
     assert back.shape == frames.shape and fps == 30
     with pytest.raises(ValueError, match="odd side"):
         encode_h264(frames[:, :63], 30, tmp_path / "odd.mp4")
+
+
+def _mpeg_ts(frames: np.ndarray, path) -> None:
+    """An MPEG-2 transport stream: a format whose files can be joined byte for byte."""
+    import av
+
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("mpeg2video", rate=24)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def test_a_stream_whose_frame_size_changes_is_refused_by_name(tmp_path):
+    """Two clips of different sizes joined into one stream: a clear error, not a numpy crash."""
+    rng = np.random.default_rng(0)
+    _mpeg_ts(rng.integers(0, 255, (10, 64, 96, 3), dtype=np.uint8), tmp_path / "a.ts")
+    _mpeg_ts(rng.integers(0, 255, (10, 80, 128, 3), dtype=np.uint8), tmp_path / "b.ts")
+    joined = tmp_path / "ab.ts"
+    joined.write_bytes((tmp_path / "a.ts").read_bytes() + (tmp_path / "b.ts").read_bytes())
+    first, _ = decode(tmp_path / "a.ts")
+    assert first.shape[1:] == (64, 96, 3)
+    with pytest.raises(VideoError) as e:
+        decode(joined)
+    msg = str(e.value)
+    assert msg.startswith(f"{joined}: frame ") and "is 128x80 but frame 0 is 96x64; a clip must keep one frame size" in msg
