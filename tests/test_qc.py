@@ -151,6 +151,43 @@ def test_qc_cli_json_lines_on_real_h264_files(tmp_path):
     assert f"error: {args[2]}: not a readable video (Invalid data found when processing input)" in res.stderr
 
 
+def _encode(frames: np.ndarray, path, codec: str, pix_fmt: str, options: dict) -> None:
+    import av
+
+    with av.open(str(path), "w") as c:
+        s = c.add_stream(codec, rate=24)
+        s.width, s.height, s.pix_fmt, s.options = frames.shape[2], frames.shape[1], pix_fmt, options
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+@pytest.mark.parametrize("name,codec,pix_fmt,options", [
+    ("hevc.mp4", "libx265", "yuv420p", {"crf": "22", "x265-params": "log-level=error"}),
+    ("vp9.webm", "libvpx-vp9", "yuv420p", {"crf": "32", "b": "0"}),
+    ("prores.mov", "prores_ks", "yuv422p10le", {}),
+    ("ffv1.mkv", "ffv1", "bgr0", {}),
+    ("h264-444.mp4", "libx264", "yuv444p", {"crf": "18"}),
+    ("h264-10bit.mkv", "libx264", "yuv420p10le", {"crf": "18"}),
+])
+def test_qc_reads_other_codecs_and_pixel_formats_alike(tmp_path, name, codec, pix_fmt, options):
+    """A clip handed to `clipmill qc` need not be our own H.264: a good pan passes and the same
+    pan with black frames is rejected for them, in 10-bit, 4:2:2, 4:4:4 and RGB files too."""
+    good = pan(n=24)
+    bad = good.copy()
+    bad[10:14] = 0
+    _encode(good, tmp_path / f"good.{name}", codec, pix_fmt, options)
+    _encode(bad, tmp_path / f"bad.{name}", codec, pix_fmt, options)
+    res = CliRunner().invoke(main, ["qc", "--json", str(tmp_path / f"good.{name}"), str(tmp_path / f"bad.{name}")])
+    assert res.exit_code == 0, res.output
+    good_rec, bad_rec = (json.loads(line) for line in res.stdout.splitlines())
+    assert (good_rec["verdict"], good_rec["reasons"]) == ("pass", [])
+    assert good_rec["metrics"]["frames"] == 24 and good_rec["metrics"]["fps"] == 24
+    assert bad_rec["verdict"] == "reject" and bad_rec["reasons"][0].startswith("black: frames 10-13")
+
+
 def test_qc_cli_explain_and_contact_sheet(tmp_path):
     encode_h264(pan(), 24, tmp_path / "c.mp4")
     res = CliRunner().invoke(main, ["qc", str(tmp_path / "c.mp4"), "--explain", "--sheet"])
