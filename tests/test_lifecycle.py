@@ -28,7 +28,7 @@ from sqlalchemy import event, select
 from clipmill.jobs.core.batches import SubmitOptions, batch_status, submit
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Attempt, Job
-from clipmill.jobs.core.queue import Heartbeat, claim_group, reclaim
+from clipmill.jobs.core.queue import Heartbeat, claim_group, reclaim, worker_name
 from clipmill.jobs.core.states import JobState, move_job
 from clipmill.jobs.runner.embedded import run_batch
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
@@ -401,6 +401,28 @@ def test_an_attempt_lost_with_its_worker_does_not_cost_the_qc_retry(db, tmp_path
     assert by_job[job.id][0].error.startswith("abandoned: worker ")
     row = batch_status(db, "b")["rows"][0]
     assert row["out_of_attempts"] and row["attempts_lost"] == 1
+
+
+def test_a_lease_of_an_earlier_process_with_this_pid_is_taken_back(db, tmp_path):
+    """A container restarted on the same host name runs its first process as pid 1 again: a
+    crashed run's lease `host:1` would read as held by the resuming process itself. Worker names
+    carry the process's start time, so the same pid started at another time is another process."""
+    me = worker_name()
+    host, _, rest = me.rpartition(":")
+    pid, _, start = rest.partition(".")
+    if not start:
+        pytest.skip("this system has no /proc: worker names carry no start time")
+    assert (host, pid) == (socket.gethostname(), str(os.getpid()))
+    make_batch(db, tmp_path, rows=2)
+    (earlier,) = claim_group(db, f"{host}:{pid}.{int(start) - 1}", "b", size=1)
+    (mine,) = claim_group(db, me, "b", size=1)
+    assert reclaim(db, "b") == [earlier.job_id]  # taken back at once, not when its lease expires
+    jobs, _ = jobs_and_attempts(db)
+    assert {j.id: (j.state, j.attempts_lost or 0) for j in jobs} == {
+        earlier.job_id: ("queued", 1), mine.job_id: ("rendering", 0)}
+    assert reclaim(db, "b") == []  # this process's own lease stands, as does one of the old form
+    (old_form,) = claim_group(db, f"{host}:{pid}", "b", size=1)
+    assert reclaim(db, "b") == [] and old_form.job_id == earlier.job_id
 
 
 def test_a_job_that_keeps_losing_its_worker_fails_after_max_lost(db, tmp_path):

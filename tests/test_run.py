@@ -237,3 +237,50 @@ def test_group_with_mixed_sizes_is_refused(renderer):
 
     with pytest.raises(ValueError, match="same frames, width and height"):
         renderer.render([ClipRequest(0, "a", 1, 8, 64, 64), ClipRequest(1, "b", 2, 8, 96, 64)], GroupSettings())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_run_puts_its_group_back_with_attempts_unspent(sqlite_url, tmp_path, how):
+    """Ctrl-C (SIGINT) or `docker stop` (SIGTERM) while a group renders is no fault of its jobs:
+    the run exits 130 naming `--resume`, the group goes back to queued with no attempt used or
+    counted as lost (three interrupts used to fail a healthy job as a worker killer), and the
+    resumed run finishes every job once."""
+    import signal
+    import time
+
+    (tmp_path / "b.csv").write_text("prompt\n" + "".join(f'"dish {i}, orbit"\n' for i in range(2)))
+    clipmill("submit", "b.csv", "--batch", "b", "--out", str(tmp_path / "out"), "--size", "256", "--frames", "16",
+             db_url=sqlite_url, cwd=tmp_path)
+    db = Database(sqlite_url)
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url)
+    proc = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "run", "--resume", "b"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with db.session() as s:
+            owners = [j.lease_owner for j in s.scalars(select(Job).where(Job.state == "rendering"))]
+        if owners and all(o and o.split(":")[-1].split(".")[0] == str(proc.pid) for o in owners):
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    else:
+        pytest.fail("the run never started rendering")
+    proc.send_signal(getattr(signal, how))
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stdout + stderr
+    assert ("interrupted: the jobs being rendered went back to queued with their attempts unspent; "
+            "`clipmill run --resume b` continues the batch") in stderr
+    with db.session() as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        attempts = s.scalars(select(Attempt)).all()
+    assert [(j.state, j.attempts_made, j.attempts_lost or 0, j.lease_owner) for j in jobs] == [("queued", 0, 0, None)] * 2
+    assert attempts == []
+
+    clipmill("run", "--resume", "b", db_url=sqlite_url, cwd=tmp_path)
+    with db.session() as s:
+        jobs = s.scalars(select(Job).order_by(Job.id)).all()
+        firsts = {a.job_id: a for a in s.scalars(select(Attempt).where(Attempt.number == 1))}
+    assert all(j.state in ("passed", "rejected") and (j.attempts_lost or 0) == 0 for j in jobs)
+    assert all(firsts[j.id].state in ("passed", "rejected") for j in jobs)
+    db.dispose()

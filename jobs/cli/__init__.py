@@ -8,7 +8,7 @@
 - ``train``: train-model (the built-in shapes model)
 
 Domain errors become ``click.ClickException`` here and nowhere else, with the exit codes of
-``common`` (0 done, 1 a job failed, 2 usage or bad input, 3 setup).
+``common`` (0 done, 1 a job failed, 2 usage or bad input, 3 setup, 130 a run interrupted).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ def main(verbose: int, log_json: bool) -> None:
       3  setup: model, device, storage or broker unusable, or another nightly run
          holds the lock; the run stops once and its jobs stay queued
          (clipmill run --resume BATCH continues)
+      130  run interrupted (Ctrl-C or SIGTERM): the group being rendered went
+         back to queued with its attempts unspent (clipmill run --resume BATCH)
     """
     from clipmill.jobs.core.logs import setup
 

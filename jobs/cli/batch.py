@@ -10,8 +10,9 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_JOB_FAILED, BadInput, SetupError, batch_options, default_device,
-                                      domain_errors, duration, err, open_db, out, print_table, qc_config_options,
+from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, SetupError, batch_options,
+                                      default_device, domain_errors, duration, err, interruptible, open_db, out,
+                                      print_table, qc_config_options,
                                       redact_url, settings, submit_options, warn, warn_model)
 from clipmill.jobs.core.defaults import DEFAULT_DRAWS, MAX_DRAWS
 from clipmill.pipeline.models import TINY_MODELS, TINY_WARNING
@@ -198,7 +199,7 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
     ctx = WorkerContext(db, device=device, qc_config=qc_cfg, guidance_mode=guidance_mode, draws=draws,
                         render_options=RenderOptions(feature_cache=feature_cache, decoder=decoder, compile=compile_how))
     t0 = time.perf_counter()
-    with _RunProgress(db, batch_id, group_size, device) as progress:
+    with _RunProgress(db, batch_id, group_size, device) as progress, interruptible():
         try:
             with domain_errors():
                 run_batch(ctx, batch_id, group_size, progress)
@@ -206,6 +207,11 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
             progress.stopped = True
             raise SetupError(f"{e.message}; the run stopped and the batch's jobs stay queued "
                              f"(`clipmill run --resume {batch_id}` continues it)")
+        except KeyboardInterrupt:
+            progress.stopped = True
+            err.print(f"interrupted: the jobs being rendered went back to queued with their attempts unspent; "
+                      f"`clipmill run --resume {batch_id}` continues the batch", markup=False, highlight=False)
+            sys.exit(EXIT_INTERRUPTED)
     from clipmill.jobs.ads.assembly import assemble_batch
 
     assembled = assemble_batch(ctx, batch_id)  # the ads whose shots are all in (none for a prompt batch)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import signal
 import sys
+import threading
 
 import click
 from rich.console import Console
@@ -26,6 +28,24 @@ EXIT_OK = 0  # the work ended: every job passed or was rejected by QC
 EXIT_JOB_FAILED = 1  # a job failed, an ad could not be assembled, or `export` found nothing approved
 EXIT_BAD_INPUT = 2  # usage or bad input: nothing was done, the job table is unchanged
 EXIT_SETUP = 3  # setup: model, device, storage or broker unusable; jobs stay queued
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM during a run: the jobs being rendered went back to queued
+
+
+@contextlib.contextmanager
+def interruptible():
+    """SIGTERM (`docker stop`, systemd, `kill`) stops a run as Ctrl-C does, with KeyboardInterrupt,
+    so that the runner can put back what it holds before the process ends."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 class BadInput(click.ClickException):

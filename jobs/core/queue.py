@@ -33,7 +33,23 @@ log = logging.getLogger("clipmill.queue")
 
 
 def worker_name() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """``host:pid``, and where the system tells it, ``.start``: the process's start time in clock
+    ticks since boot. A container restarted on the same host name gets the same small pids again
+    (its first process is pid 1 every time), so a pid alone could read a crashed run's lease as
+    held by the process now looking at it."""
+    start = _start_ticks(os.getpid())
+    return f"{socket.gethostname()}:{os.getpid()}" + (f".{start}" if start else "")
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat (start time since boot), or None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 and fields[19].isdigit() else None
 
 
 def now() -> datetime:
@@ -224,10 +240,12 @@ def lease_lost(expires: datetime | None, owner: str | None) -> bool:
 
 
 def _owner_dead(owner: str | None) -> bool:
-    """True when ``owner`` is a process on this host that no longer exists."""
+    """True when ``owner`` (:func:`worker_name`) is a process on this host that no longer
+    exists, or whose pid now belongs to a process started at another time."""
     if not owner or ":" not in owner:
         return False
-    host, _, pid = owner.rpartition(":")
+    host, _, rest = owner.rpartition(":")
+    pid, _, start = rest.partition(".")
     if host != socket.gethostname() or not pid.isdigit():
         return False
     try:
@@ -235,7 +253,10 @@ def _owner_dead(owner: str | None) -> bool:
     except ProcessLookupError:
         return True
     except PermissionError:
-        return False
+        pass
+    if start.isdigit():
+        now_start = _start_ticks(int(pid))
+        return now_start is not None and now_start != start
     return False
 
 

@@ -12,6 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from clipmill.jobs.core.operations import release
 from clipmill.jobs.core.queue import DEFAULT_LEASE_S, Heartbeat, claim_group, pending_post, reclaim, worker_name
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
 
@@ -63,10 +64,13 @@ def run_batch(
     def post(attempt_id: int) -> None:
         ev.checked(post_attempt(ctx, attempt_id))
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipmill-post") as pool:
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clipmill-post")
+    claimed = []
+    try:
         for attempt_id in pending_post(ctx.db, batch_id):  # rendered before a crash, not yet checked
             futures.append(pool.submit(post, attempt_id))
         while True:
+            claimed = []
             if before_group is not None and not before_group():
                 break
             claimed = claim_group(ctx.db, me, batch_id, group_size, lease_s)
@@ -86,6 +90,15 @@ def run_batch(
                 futures.append(pool.submit(post, attempt_id))
         for f in futures:
             f.result()
+    except (KeyboardInterrupt, SystemExit):
+        # An operator's interrupt (Ctrl-C; SIGTERM where the CLI turns it into one) is no fault of
+        # the jobs: the group being rendered goes back to queued with its attempts unspent, not
+        # left to be taken back later as lost. Clips rendered but not yet checked keep their
+        # stored frames and are checked by the next run; the one being checked now finishes.
+        release(ctx.db, [c.attempt_id for c in claimed])
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     stats.checked = len(futures)
     stats.wall_s = time.perf_counter() - t0
     return stats
