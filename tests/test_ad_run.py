@@ -109,7 +109,7 @@ def test_a_kill_during_assembly_then_a_resume_leaves_one_file_per_ad_and_format(
     with database.session() as s:
         assert s.scalars(select(Ad)).one().state == "assembling"  # killed in the middle
 
-    _run("run", "--resume", "one", "--model", "shapes", *QC, db=db, cwd=tmp_path)
+    _run("run", "--resume", "one", *QC, db=db, cwd=tmp_path)
     with database.session() as s:
         ad = s.scalars(select(Ad)).one()
     assert ad.state == "done" and ad.lease_owner is None

@@ -82,3 +82,15 @@ def test_elements_canonical_order_and_cjk_joining():
 def test_elements_unknown_camera_raises_with_the_phrase():
     with pytest.raises(ValueError, match="^spinning wildly$"):
         clean_elements("a", "b", "c", "spinning wildly")
+
+
+@pytest.mark.parametrize("raw,canonical", [
+    ("a cat (close-up) eating fish", "a cat, eating fish, close-up"),
+    ("【特写】一只猫在厨房吃鱼", "一只猫在厨房吃鱼, close-up"),
+    ('a chef "zooming in" on ramen', "a chef, on ramen, zoom in"),
+    ("[close-up] a cat eats [fish]", "a cat eats [fish], close-up"),  # the user's own brackets stay
+    ("a drone shot of a city at night", "a city at night, aerial shot"),
+    ("cats' toys, 'fresh' fish, close-up", "cats' toys, 'fresh' fish, close-up"),  # quotes not around a camera move
+])
+def test_a_camera_phrase_taken_out_leaves_no_empty_brackets_quotes_or_dangling_article(raw, canonical):
+    assert split_free_prompt(raw).canonical() == canonical

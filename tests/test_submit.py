@@ -104,6 +104,21 @@ BAD_CASES = [
         ["partial.csv:2: action: '' is empty; a row without prompt needs all of subject, action, scene, camera"],
     ),
     ("utf8.csv", b"prompt\n\xff\xfe\n", ["utf8.csv:2: not valid UTF-8 (byte 0xff); save the file as UTF-8"]),
+    ("bom-utf8.csv", b"\xef\xbb\xbfprompt\nab\n\xff\n", ["bom-utf8.csv:3: not valid UTF-8 (byte 0xff); save the file as UTF-8"]),
+    (
+        "dupkey.jsonl",
+        '{"Prompt": "ramen", "prompt": "sushi"}\n{"prompt": "x", "prompt": "y"}\n[1, 2]\n',
+        [
+            "dupkey.jsonl:1: the object repeats column 'prompt' (keys 'Prompt', 'prompt'); give each column once",
+            "dupkey.jsonl:2: the object repeats column 'prompt' (keys 'prompt', 'prompt'); give each column once",
+            "dupkey.jsonl:3: expected a JSON object, got list",
+        ],
+    ),
+    (  # U+2028 is allowed raw inside a JSON string: it ends no row, so the next row keeps its line number
+        "sep.jsonl",
+        '{"prompt": "ramen\u2028steaming"}\n{"prompt": "sushi", "tier": "turbo"}\n',
+        ["sep.jsonl:2: tier: 'turbo' is not a tier; allowed: fast, quality"],
+    ),
     (
         "dupid.csv",
         "id,prompt\na,ramen\na,sushi\n",
@@ -154,6 +169,23 @@ def test_truncate_cuts_to_the_limit_and_warns(cli, db, tmp_path):
     with db.engine.connect() as c:
         prompt = c.execute(text("SELECT prompt FROM jobs WHERE batch_id = 'cut'")).scalar_one()
     assert prompt == " ".join(["word"] * 63)
+
+
+def test_truncate_cuts_inside_a_word_longer_than_the_limit_never_to_nothing(cli, db, tmp_path):
+    res = cli("submit", write(tmp_path, "word.csv", "prompt\n" + "a" * 300 + " b\n"), "--truncate", "--batch", "w")
+    assert res.exit_code == 0, res.output
+    with db.engine.connect() as c:
+        prompt = c.execute(text("SELECT prompt FROM jobs WHERE batch_id = 'w'")).scalar_one()
+    assert prompt and set(prompt) == {"a"} and f"truncated to 256 (limit 256): '{prompt}'" in res.output
+
+
+def test_rows_end_at_line_breaks_only(cli, db, tmp_path):
+    """A form feed or NEL inside a TXT line is whitespace, not a second clip (str.splitlines
+    split it in two, and every later line's number and derived seed moved)."""
+    res = cli("prompts", "check", write(tmp_path, "ff.txt", "ramen steaming\fdolly in\nsushi\x85rolls\nudon\n"), "--json")
+    assert res.exit_code == 0, res.output
+    assert [(r["line"], r["prompt"]) for r in json.loads(res.output)["rows"]] == [
+        (1, "ramen steaming, dolly in"), (2, "sushi rolls"), (3, "udon")]
 
 
 def test_a_text_file_is_one_prompt_per_line(cli, db, tmp_path):
@@ -215,6 +247,12 @@ def test_template_errors(cli, tmp_path):
     res = cli("submit", f, "--template", TEMPLATE)
     assert res.exit_code == 2
     assert "t.csv:2: store: '' is empty; --template needs a value for every column it names (dish, store, camera)" in res.output
+    res = cli("prompts", "check", f, "--template", "{Dish} in {STORE}, {Camera}", "--json")  # names are case-insensitive
+    assert json.loads(res.output)["errors"] == [
+        "t.csv:2: store: '' is empty; --template needs a value for every column it names (dish, store, camera)"]
+    g = write(tmp_path, "u.csv", "dish,store,camera\nramen,Menya,dolly in\n")
+    res = cli("prompts", "check", g, "--template", "{Dish} in {STORE}, {Camera}", "--json")
+    assert [r["prompt"] for r in json.loads(res.output)["rows"]] == ["ramen in Menya, dolly in"]
     res = cli("submit", f, "--template", "{dish!r} here")
     assert "--template '{dish!r} here': field {dish} must be a plain column name like {dish}" in res.output
 
@@ -230,9 +268,34 @@ def test_prompts_check_prints_clean_table_and_submits_nothing(cli, db, tmp_path)
     assert snapshot(db) == before
 
 
+def test_prompts_check_prints_a_prompts_brackets_as_text(cli, tmp_path):
+    """Rich markup in a prompt is the user's text: `[/]` crashed the table, `[red]` vanished from it."""
+    f = write(tmp_path, "[m].csv", 'id,prompt\na,a neon sign reading [/] open\nb,"a sign saying [red]hot[/red], close-up"\n')
+    res = cli("prompts", "check", f)
+    assert res.exit_code == 0, res.output
+    assert "[m].csv" in res.output
+    assert "a neon sign reading [/] open" in res.output and "a sign saying [red]hot[/red], close-up" in res.output
+
+
 def test_existing_batch_name_is_refused(cli, tmp_path):
     f = write(tmp_path, "g.csv", GOOD)
     assert cli("submit", f, "--batch", "x").exit_code == 0
     res = cli("submit", f, "--batch", "x")
     assert res.exit_code == 2
     assert "Error: --batch 'x': a batch with that name exists; choose another name" in res.output
+
+
+def test_run_resume_refuses_the_options_a_submit_sets(cli, db, tmp_path, monkeypatch):
+    """They were silently ignored: `--max-attempts 5` on a resume did nothing, `--fps 0` passed."""
+    assert cli("submit", write(tmp_path, "g.csv", GOOD), "--batch", "r").exit_code == 0
+    before = snapshot(db)
+    res = cli("run", "--resume", "r", "--fps", "0", "--max-attempts", "5", "--template", "{")
+    assert res.exit_code == 2
+    assert ("Error: --template, --fps, --max-attempts go with FILE; a resumed batch keeps the settings it was "
+            "submitted with") in res.output
+    res = cli("run", "--resume", "r", "--out", "elsewhere")
+    assert res.exit_code == 2 and "Error: --out goes with FILE; a resumed batch" in res.output
+    assert snapshot(db) == before
+    monkeypatch.setenv("CLIPMILL_OUT", str(tmp_path / "elsewhere"))  # an environment variable is no choice made here
+    res = cli("run", "--resume", "nosuch")
+    assert res.exit_code == 2 and "Error: batch 'nosuch': no such batch" in res.output

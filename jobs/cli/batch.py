@@ -142,7 +142,10 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
     job table changes; a bad row leaves it unchanged too. Exits 0 when every job ended passed
     or rejected by QC, 1 when a job failed or an ad could not be assembled, 2 on bad input
     (nothing submitted), 3 when the model, device or storage cannot be used (the run stops
-    once; jobs stay queued).
+    once; jobs stay queued), 130 when interrupted (Ctrl-C or SIGTERM: the group being rendered
+    goes back to queued with its attempts unspent). --resume BATCH keeps the batch's own
+    settings: the options that set a batch (--model, --template, --tier, --fps, --out, ...)
+    go with FILE only.
 
     \b
     Example:
@@ -159,6 +162,11 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
         raise click.UsageError("give FILE or --resume BATCH (one of them)")
     if ad_template is not None and resume is not None:
         raise click.UsageError("--ad goes with FILE; a resumed ad batch keeps its own template")
+    if resume is not None:
+        given = _given_on_command_line(click.get_current_context(), FILE_ONLY_OPTIONS)
+        if given:
+            raise click.UsageError(f"{', '.join(given)} go{'es' if len(given) == 1 else ''} with FILE; "
+                                   f"a resumed batch keeps the settings it was submitted with")
     with domain_errors():  # every check before the job table changes and before any render
         # first the checks that need no torch, so that a bad option is refused at once
         check_group_size(group_size)
@@ -224,6 +232,26 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
     _notify(db, batch_id)
     if st["states"]["failed"] or failed_ads:
         sys.exit(EXIT_JOB_FAILED)
+
+
+def _option_names(*decorators) -> frozenset[str]:
+    """The parameter names the option decorators add."""
+    def f():
+        pass
+
+    for d in decorators:
+        f = d(f)
+    return frozenset(p.name for p in f.__click_params__)
+
+
+FILE_ONLY_OPTIONS = _option_names(batch_options, submit_options)  # what a submit sets: meaningless to a resume
+
+
+def _given_on_command_line(ctx: click.Context, names: frozenset[str]) -> list[str]:
+    """The options of ``names`` typed on the command line (an environment variable or a default is
+    not a choice made for this run), as the user wrote them."""
+    return [p.opts[0] for p in ctx.command.params if p.name in names
+            and ctx.get_parameter_source(p.name) is click.core.ParameterSource.COMMANDLINE]
 
 
 class _RunProgress:
@@ -461,7 +489,7 @@ def status(batch, as_json, watch, limit):
         elif r["out_of_attempts"]:
             why = f"out of attempts ({len(r['attempts']) - r['attempts_lost']}/{st['max_attempts']}): " + why
         last = r["attempts"][-1] if r["attempts"] else None
-        t.add_row(str(r["job"]), r["id"] or "", str(r["line"]), r["state"], str(len(r["attempts"])),
+        t.add_row(str(r["job"]), escape(r["id"] or ""), str(r["line"]), r["state"], str(len(r["attempts"])),
                   last["tier"] if last else r["tier"], str(last["seed"] if last else r["seed"]), escape(why),
                   escape(r["location"] or ""))
     print_table(t)
@@ -493,11 +521,11 @@ def _check_ads(file: str, ad_template: str, opts, as_json: bool) -> None:
             "warnings": [str(p) for p in ads.warnings],
         }, ensure_ascii=False))
     else:
-        t = Table("line", "id", "shot", "tier", "frames", "seed", "cleaned prompt", title=file)
+        t = Table("line", "id", "shot", "tier", "frames", "seed", "cleaned prompt", title=escape(file))
         for a in ads.ads:
             for s in a.shots:
-                t.add_row(str(a.line), a.client_id or "", str(s.index), s.row.tier, str(s.row.frames), str(s.row.seed),
-                          s.row.prompt)
+                t.add_row(str(a.line), escape(a.client_id or ""), str(s.index), s.row.tier, str(s.row.frames),
+                          str(s.row.seed), escape(s.row.prompt))  # a prompt's own brackets are text, not markup
         out.print(t)
         _problems(ads, f"{len(ads.ads)} valid ad(s)")
     if ads.errors:
@@ -546,10 +574,10 @@ def prompts_check(file, as_json, ad_template, opts):
             "warnings": [str(p) for p in bf.warnings],
         }, ensure_ascii=False))
     else:
-        t = Table("line", "id", "tier", "frames", "fps", "size", "seed", "tokens", "cleaned prompt", title=file)
+        t = Table("line", "id", "tier", "frames", "fps", "size", "seed", "tokens", "cleaned prompt", title=escape(file))
         for r in bf.rows:
-            t.add_row(str(r.line), r.client_id or "", r.tier, str(r.frames), str(r.fps), f"{r.width}x{r.height}",
-                      str(r.seed), str(r.tokens), r.prompt)
+            t.add_row(str(r.line), escape(r.client_id or ""), r.tier, str(r.frames), str(r.fps), f"{r.width}x{r.height}",
+                      str(r.seed), str(r.tokens), escape(r.prompt))  # a prompt's own brackets are text, not markup
         out.print(t)
         _problems(bf, f"{len(bf.rows)} valid row(s)")
     if bf.errors:

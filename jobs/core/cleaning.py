@@ -115,12 +115,13 @@ _PUNCT = str.maketrans(
 
 
 def normalize(text: str) -> str:
-    """NFKC, control characters removed, punctuation folded, whitespace collapsed."""
+    """NFKC, control characters removed (those that are whitespace become spaces), punctuation
+    folded, whitespace collapsed."""
     text = unicodedata.normalize("NFKC", text)
-    text = "".join(
-        " " if ch in "\t\n\r\v\f" else ch
+    text = "".join(  # whitespace controls (tab, form feed, NEL, the file separators) are spaces
+        " " if ch.isspace() else ch
         for ch in text
-        if ch in "\t\n\r\v\f" or unicodedata.category(ch) not in ("Cc", "Cf", "Co", "Cs")
+        if ch.isspace() or unicodedata.category(ch) not in ("Cc", "Cf", "Co", "Cs")
     )
     text = text.translate(_PUNCT)
     text = re.sub(r"\s+", " ", text).strip()
@@ -166,6 +167,10 @@ _SCENE_RE = re.compile(
 )
 
 
+_CUT = "\x00"  # where split_free_prompt took a camera phrase out
+_EMPTY_PAIR_RE = re.compile(r"""[(\[{（【「『"“'‘]\s*\x00\s*[)\]}）】」』"”'’]""")
+
+
 def split_free_prompt(text: str) -> Elements:
     """Pull the elements out of a free-text prompt.
 
@@ -181,7 +186,7 @@ def split_free_prompt(text: str) -> Elements:
 
     def take(m: re.Match) -> str:
         add(_SAFE_PHRASES[m.lastindex - 1][1])
-        return ","
+        return _CUT  # a mark (normalize leaves no control characters), so that only what it leaves is tidied
 
     kept = []
     for clause in re.split(r"[,;]", normalize(text)):
@@ -191,9 +196,13 @@ def split_free_prompt(text: str) -> Elements:
         else:
             kept.append(clause)
     rest = _CAMERA_RE.sub(take, ",".join(kept))
+    # what a camera phrase leaves: brackets or quotes around nothing ("a cat (close-up) eating",
+    # "【特写】"), and an article and "of" around it ("a drone shot of a city")
+    rest = _EMPTY_PAIR_RE.sub(_CUT, rest)
+    rest = re.sub(rf"\b(a|an|the)\s*{_CUT}\s*of\s+", _CUT, rest, flags=re.IGNORECASE).replace(_CUT, ",")
     clauses = [c.strip(" .;:-") for c in re.split(r"[,;]", rest)]
     clauses = [re.sub(r"\s+(with|and|a|an|the)$", "", c, flags=re.IGNORECASE).strip() for c in clauses]
-    clauses = [c for c in clauses if c]
+    clauses = [c for c in clauses if c and c.lower() not in ("a", "an", "the")]
     scene = [c for c in clauses if _SCENE_RE.match(c)]
     subject = [c for c in clauses if c not in scene]
     return Elements(subject=", ".join(subject), scene=", ".join(scene), camera=", ".join(cameras))

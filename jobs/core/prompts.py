@@ -6,6 +6,7 @@ each naming file:line, the field, the value and what is allowed.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import hashlib
 import io
@@ -134,8 +135,9 @@ def _decode(path: Path, data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise FileProblem(Problem(str(path), line, None, None, f"not valid UTF-8 (byte 0x{data[e.start]:02x}); save the file as UTF-8"))
+        at = e.start + (3 if data.startswith(codecs.BOM_UTF8) else 0)  # the decoder counts from after the mark
+        line = data[:at].count(b"\n") + 1
+        raise FileProblem(Problem(str(path), line, None, None, f"not valid UTF-8 (byte 0x{data[at]:02x}); save the file as UTF-8"))
 
 
 class FileProblem(Exception):
@@ -203,7 +205,9 @@ def _read_csv(path: Path, text: str) -> Records:
 def _lines(path: Path, text: str, problems: list[Problem]):
     """(line number, text) of every line that is not blank; a line over MAX_ROW_BYTES is
     reported in ``problems`` instead."""
-    for line, raw in enumerate(text.splitlines(), start=1):
+    # rows end at \n, \r\n or \r only, as in the CSV reader: str.splitlines() also splits at
+    # U+2028, form feeds and the like, which JSON allows inside a string and a TXT line may hold
+    for line, raw in enumerate(re.split(r"\r\n|\r|\n", text), start=1):
         if not raw.strip():
             continue
         size = len(raw.encode("utf-8", "surrogatepass"))
@@ -213,20 +217,31 @@ def _lines(path: Path, text: str, problems: list[Problem]):
         yield line, raw
 
 
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs, in order, repeated keys kept."""
+
+
 def _read_jsonl(path: Path, text: str) -> Records:
     records: list[tuple[int, dict]] = []
     columns: list[str] = []
     problems: list[Problem] = []
     for line, raw in _lines(path, text, problems):
         try:
-            obj = json.loads(raw)
+            pairs = json.loads(raw, object_pairs_hook=_Pairs)  # every key, repeated ones too
         except json.JSONDecodeError as e:
             problems.append(Problem(str(path), line, None, None, f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
-        if not isinstance(obj, dict):
-            problems.append(Problem(str(path), line, None, None, f"expected a JSON object, got {type(obj).__name__}"))
+        if not isinstance(pairs, _Pairs):
+            problems.append(Problem(str(path), line, None, None, f"expected a JSON object, got {type(pairs).__name__}"))
             continue
-        obj = {_column(str(k)): v for k, v in obj.items() if v is not None and v != ""}
+        keys = [_column(str(k)) for k, _ in pairs]
+        dupes = [k for i, k in enumerate(keys) if k in keys[:i]]
+        if dupes:
+            same = [str(k) for k, _ in pairs if _column(str(k)) == dupes[0]]
+            problems.append(Problem(str(path), line, None, None, f"the object repeats column {dupes[0]!r} (keys "
+                                    + ", ".join(repr(k) for k in same) + "); give each column once"))
+            continue
+        obj = {_column(str(k)): dict(v) if isinstance(v, _Pairs) else v for k, v in pairs if v is not None and v != ""}
         for k in obj:
             if k not in columns:
                 columns.append(k)
@@ -337,7 +352,13 @@ def _fit(text: str, count: TokenCounter, limit: int) -> str:
     cuts = [m.start() for m in re.finditer(r"\s|[,;]", text)] + [
         i for i, ch in enumerate(text) if "\u3400" <= ch <= "\u9fff"
     ]
-    cuts = sorted(set(c for c in cuts if c > 0)) or list(range(1, len(text)))
+    best = _longest(text, sorted(set(c for c in cuts if c > 0)), count, limit)
+    if not best:  # the first word alone is over the limit: cut inside it
+        best = _longest(text, list(range(1, len(text))), count, limit)
+    return best
+
+
+def _longest(text: str, cuts: list[int], count: TokenCounter, limit: int) -> str:
     lo, hi, best = 0, len(cuts) - 1, ""
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -387,6 +408,9 @@ class RowChecker:
         self.defaults = defaults
         self.template = template
         self.template_cols = template_fields(template) if template else []
+        # column names are case-insensitive, so the template is filled by its fields' lower-case names
+        self._fill = "".join(lit.replace("{", "{{").replace("}", "}}") + ("" if name is None else f"{{{name.lower()}}}")
+                             for lit, name, _, _ in string.Formatter().parse(template)) if template else None
         self.truncate = truncate
 
     def problem(self, line: int, fld: str | None, value: object, msg: str) -> Problem:
@@ -452,7 +476,7 @@ class RowChecker:
             for f in elems_given[:1]:
                 errs.append(P(f, rec[f], "is given beside the --template columns; give one or the other in a row"))
             if not errs:
-                raw = self.template.format(**{c: normalize(str(rec[c])) for c in self.template_cols})
+                raw = self._fill.format(**{c: normalize(str(rec[c])) for c in self.template_cols})
                 elements = split_free_prompt(raw)
         elif mode == "elements":
             for f in ELEMENTS:
@@ -519,6 +543,9 @@ class RowChecker:
                 errs.append(P(fld, text, f"is {n} tokens; the model takes at most {limit} (shorten it, or pass --truncate)"))
                 continue
             cut = _fit(text, self.count, limit)
+            if not cut:
+                errs.append(P(fld, text, f"is {n} tokens, and no part of it fits the model's {limit}; shorten it"))
+                continue
             warns.append(P(fld, text, f"was {n} tokens, truncated to {self.count(cut)} (limit {limit}): {cut!r}"))
             truncated = True
             if fld == "prompt":
