@@ -78,6 +78,15 @@ def apply(unet, cfg: FreeNoiseConfig) -> FreeNoiseHook:
 
     swapped = []
     param = next(unet.parameters())
+    try:
+        _swap(unet, cfg, param, swapped, BasicTransformerBlock, FreeNoiseTransformerBlock)
+    except BaseException:  # out of memory building a block, say: the UNet is left as it was
+        FreeNoiseHook(swapped).remove()
+        raise
+    return FreeNoiseHook(swapped)
+
+
+def _swap(unet, cfg: FreeNoiseConfig, param, swapped: list, BasicTransformerBlock, FreeNoiseTransformerBlock) -> None:
     for mm in _motion_modules(unet):
         for i, b in enumerate(mm.transformer_blocks):
             if not isinstance(b, BasicTransformerBlock):
@@ -98,7 +107,6 @@ def apply(unet, cfg: FreeNoiseConfig) -> FreeNoiseHook:
                 fn.attn2.set_processor(b.attn2.processor)
             swapped.append((mm.transformer_blocks, i, b))
             mm.transformer_blocks[i] = fn
-    return FreeNoiseHook(swapped)
 
 
 def shuffle_context(noise: torch.Tensor, cfg: FreeNoiseConfig, generator: torch.Generator | None) -> torch.Tensor:

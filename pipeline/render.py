@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -58,6 +59,9 @@ class ClipRequest:
     negative_prompt: str = ""
 
 
+MAX_STEPS = 1000  # a diffusion schedule's length: no sampler takes more steps than it has timesteps
+
+
 @dataclass(frozen=True)
 class GroupSettings:
     tier: str = "fast"
@@ -66,9 +70,18 @@ class GroupSettings:
     guidance_mode: str = "cfg"  # cfg | rcfg-self | rcfg-onetime (used when guidance > 1)
     step_count: int | None = None  # overrides the tier's steps (the benchmark's 50-step baseline)
 
+    def __post_init__(self):
+        if self.tier not in TIERS:
+            raise ValueError(f"GroupSettings.tier={self.tier!r}: allowed {', '.join(TIERS)}")
+        if self.step_count is not None and not 1 <= self.step_count <= MAX_STEPS:
+            raise ValueError(f"GroupSettings.step_count={self.step_count!r}: allowed 1 to {MAX_STEPS} denoising steps, "
+                             "or None for the tier's")
+        if not math.isfinite(self.guidance) or self.guidance < 0:
+            raise ValueError(f"GroupSettings.guidance={self.guidance!r}: allowed a finite scale of 0 or more")
+
     @property
     def steps(self) -> int:
-        return self.step_count or TIERS[self.tier].steps
+        return TIERS[self.tier].steps if self.step_count is None else self.step_count
 
 
 @dataclass(frozen=True)
@@ -129,12 +142,24 @@ class Renderer:
         self.tiny_vae = None
         self.compiled = None
         self._block_calls: _BlockCounter | None = None  # set only inside counting()
+        self._prompt_base = (0, 0)  # the prompt cache's hits and misses when the group began
         self.configure(options)
 
     def configure(self, options: RenderOptions) -> None:
         """Install the speed layers of ``options`` (removing those of the previous ones); the
-        loaded model stays as it is."""
+        loaded model stays as it is. If one cannot be installed (a model folder without the tiny
+        decoder asked for, say), the previous options are installed again and the error raised."""
+        before = getattr(self, "options", None)
         self.close()
+        try:
+            self._install(options)
+        except BaseException:
+            self.close()
+            if before is not None and before != options:
+                self._install(before)  # what was installed before installs again
+            raise
+
+    def _install(self, options: RenderOptions) -> None:
         self.options = options
         if options.prompt_cache:
             self.prompts = PromptEmbeddingCache(options.prompt_cache)
@@ -155,7 +180,7 @@ class Renderer:
         after it, whatever happens (a farm worker streams a preview between its groups this
         way: the tiny decoder, no feature cache)."""
         before = self.options
-        self.configure(options)
+        self.configure(options)  # on failure it has put ``before`` back itself
         try:
             yield self
         finally:
@@ -206,7 +231,16 @@ class Renderer:
         if not requests:
             return []
         if len({compatible_key(r) for r in requests}) != 1:
-            raise ValueError("render(): all requests in a group need the same frames, width and height")
+            shapes = ", ".join(f"{r.frames} frames at {r.width}x{r.height}" for r in requests)
+            raise ValueError(f"render(): all requests in a group need the same frames, width and height; got {shapes}")
+        for r in requests:
+            if not 0 <= int(r.seed) < 2**63:
+                raise ValueError(f"render(): seed={r.seed}: allowed an integer from 0 to 2**63-1")
+        if len(requests) > 1 and self.info.family == "wan" and self.options.feature_cache:
+            # diffusers' FirstBlockCache decides to skip blocks once for the whole batch, from its
+            # mean residual change: in a group, the other clips would decide this clip's skips.
+            # Each clip is rendered alone, so that it is the same whatever else is in its group.
+            return [res for r in requests for res in self.render([r], settings, callback)]
         try:
             return self._render(list(requests), settings, callback)
         except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; the rest re-raises
@@ -227,8 +261,12 @@ class Renderer:
     def _render(self, requests: list[ClipRequest], settings: GroupSettings, callback) -> list[ClipResult]:
         first = requests[0]
         n = len(requests)
+        self._prompt_base = (self.prompts.hits, self.prompts.misses) if self.prompts is not None else (0, 0)
         free = self.long_shot_windows(first.frames)
         frames_msg = None if free else self.info.check_frames(first.frames)
+        if frames_msg and self.info.family == "animatediff" and first.frames > self.info.max_frames:
+            frames_msg = (f"the {self.info.family} model takes {self.info.frames_allowed} frames in one call, "
+                          f"or up to {long_shot.MAX_FRAMES} as a long shot")
         if msg := frames_msg or self.info.check_size(first.width, first.height):
             raise ValueError(f"render(): {first.frames} frames at {first.width}x{first.height}: {msg}")
         mode = effective_mode(settings.guidance_mode, settings.guidance)
@@ -259,8 +297,9 @@ class Renderer:
         #    model's re-noising share (its prior unless its clipmill.json says "renoise_shared")
         self.reset_stats()
         self._reset_caches(settings.tier)
-        windows = long_shot.apply(self.pipe.unet, free) if free is not None else None
+        windows = None
         try:
+            windows = long_shot.apply(self.pipe.unet, free) if free is not None else None
             predict = self._predictor(cond, neg, first, n)
             alpha_bar = alpha_bar_fn(scheduler) if mode.startswith("rcfg") else None
             guided = GuidedDenoiser(predict, mode, settings.guidance, n, alpha_bar)
@@ -320,7 +359,8 @@ class Renderer:
             return self.pipe.encode_prompt(texts, self.device, 1, False)[0]
 
         variant = f"frames={frames}" if markers else ""
-        out = self.prompts.get(prompts, run, variant) if self.prompts is not None else run(prompts)
+        with torch.no_grad():  # a stream calls this outside a render: no autograd graph kept in the LRU
+            out = self.prompts.get(prompts, run, variant) if self.prompts is not None else run(prompts)
         return out.flatten(0, 1) if markers else out
 
     def _encode_marked(self, texts: list[str], frames: int, markers: tuple[int, ...]) -> torch.Tensor:
@@ -412,8 +452,9 @@ class Renderer:
             out.update(self.text_kv.stats.as_dict())
         if self.deepcache is not None:
             out.update(self.deepcache.stats())
-        if self.prompts is not None:
-            out.update(prompt_cache_hits=self.prompts.hits, prompt_cache_misses=self.prompts.misses)
+        if self.prompts is not None:  # this group's, as every other counter here
+            out.update(prompt_cache_hits=self.prompts.hits - self._prompt_base[0],
+                       prompt_cache_misses=self.prompts.misses - self._prompt_base[1])
         return out
 
     # -- decoding --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from clipmill.jobs.bench.ladder import world_requests
-from clipmill.pipeline import shapes
+from clipmill.pipeline import long_shot, shapes
 from clipmill.pipeline.deepcache import DeepCache, DeepCacheConfig
 from clipmill.pipeline.models import model_info
 from clipmill.pipeline.prompt_cache import PromptEmbeddingCache
@@ -489,3 +489,85 @@ def test_bench_failures_renders_each_fault_and_qc_catches_the_nan_group(tiny_cac
         assert renderer.pipe.vae.config.scaling_factor == own
     finally:
         renderer.close()
+
+
+def test_a_wan_clip_with_the_feature_cache_is_the_same_alone_and_in_a_group(wan):
+    """diffusers' FirstBlockCache decides its skips once per batch: in a group of 4 the other
+    clips decided this one's (max diff 10 levels). Such a group is rendered clip by clip."""
+    rs = [ClipRequest(i, f"clip number {i}, orbit", 100 + i, 5, 64, 64, "blurry") for i in range(4)]
+    s = GroupSettings("fast", "flow")
+    with wan.using(RenderOptions(feature_cache=True)):
+        alone = wan.render([rs[2]], s)[0].frames
+        group = wan.render(rs, s)
+    assert np.array_equal(alone, group[2].frames)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"step_count": 0}, "GroupSettings.step_count=0: allowed 1 to 1000 denoising steps, or None for the tier's"),
+    ({"step_count": -2}, "GroupSettings.step_count=-2: allowed 1 to 1000"),
+    ({"tier": "slow"}, "GroupSettings.tier='slow': allowed fast, quality"),
+    ({"guidance": float("nan")}, "GroupSettings.guidance=nan: allowed a finite scale of 0 or more"),
+])
+def test_group_settings_refuse_what_would_render_noise(kw, msg):
+    with pytest.raises(ValueError) as e:
+        GroupSettings(**kw)
+    assert str(e.value).startswith(msg)
+
+
+def test_render_errors_name_the_values(ad):
+    with pytest.raises(ValueError, match=r"same frames, width and height; got 8 frames at 64x64, 16 frames at 64x64"):
+        ad.render(reqs(1) + reqs(1, frames=16), GroupSettings())
+    with pytest.raises(ValueError, match=r"seed=18446744073709551616: allowed an integer from 0 to 2\*\*63-1"):
+        ad.render([ClipRequest(0, "a bowl", 2**64, 8, 64, 64)], GroupSettings())
+    with pytest.raises(ValueError, match=r"500 frames at 64x64: .* frames in one call, or up to 480 as a long shot"):
+        ad.render(reqs(1, frames=500), GroupSettings())
+
+
+def test_a_failed_long_shot_setup_leaves_the_unet_as_it_was(ad, monkeypatch):
+    """Out of memory while FreeNoise blocks are built (the second block here) used to leave the
+    first on the UNet for every later clip of the worker."""
+    from diffusers.models.attention import BasicTransformerBlock, FreeNoiseTransformerBlock
+
+    blocks = lambda: [type(b) for mm in long_shot._motion_modules(ad.pipe.unet) for b in mm.transformer_blocks]
+    before = blocks()
+    built = []
+    real_init = FreeNoiseTransformerBlock.__init__
+
+    def init(self, *a, **k):
+        built.append(1)
+        if len(built) == 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(FreeNoiseTransformerBlock, "__init__", init)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        ad.render(reqs(1, frames=40), GroupSettings())
+    assert blocks() == before and set(before) == {BasicTransformerBlock}
+
+
+def test_a_layer_that_cannot_be_installed_leaves_the_previous_ones(tmp_path):
+    """`using()` a tiny decoder on a folder without one: the renderer keeps its DeepCache and its
+    options, as before the call (it used to lose both and claim the tiny decoder)."""
+    import shutil
+
+    from clipmill.pipeline.models import ModelError
+
+    folder = tmp_path / "no-tiny-vae"
+    shutil.copytree(model_info("tiny").path, folder, ignore=shutil.ignore_patterns("vae_tiny"))
+    r = Renderer(model_info(str(folder)), options=RenderOptions(feature_cache=True))
+    with pytest.raises(ModelError, match="vae_tiny"):
+        with r.using(RenderOptions(decoder="tiny")):
+            pass
+    assert r.options == RenderOptions(feature_cache=True) and r.deepcache is not None and r.tiny_vae is None
+    assert r.text_kv is not None and r.prompts is not None
+
+
+def test_prompt_cache_counts_are_the_groups_own_and_hold_no_graph(ad):
+    ad.configure(RenderOptions())
+    try:
+        stats = [ad.render(reqs(1), GroupSettings())[0].stats for _ in range(3)]
+        assert [(s["prompt_cache_hits"], s["prompt_cache_misses"]) for s in stats] == [(0, 1), (1, 0), (1, 0)]
+        ad.encode(["a stream's prompt"])  # as a stream does, outside a render
+        assert all(not row.requires_grad for row in ad.prompts._rows.values())
+    finally:
+        ad.configure(PLAIN)

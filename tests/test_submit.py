@@ -61,6 +61,11 @@ BAD_CASES = [
          "negative_prompt, seed, tier, frames, fps, size, or a column named in --template"],
     ),
     (
+        "blank-first.csv",
+        "\n\nprompt,colour\nramen,red\n",
+        ["blank-first.csv:3: unknown column 'colour'; allowed: id, prompt,"],
+    ),
+    (
         "rows.jsonl",
         '{"prompt": "ramen"}\n{"prompt": "sushi", "frames": 99}\nnot json\n[1, 2]\n{"prompt": "x", "seed": true}\n',
         [

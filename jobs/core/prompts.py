@@ -149,6 +149,12 @@ class FileProblem(Exception):
 Records = tuple[list[str], list[tuple[int, dict]], list[Problem]]
 
 
+class _Header(list):
+    """A CSV file's column names, and the line they are on (blank lines may come first)."""
+
+    line = 1
+
+
 def _read_csv(path: Path, text: str) -> Records:
     consumed = [0]  # UTF-8 bytes read since the last record: the size of the record being read
 
@@ -176,7 +182,8 @@ def _read_csv(path: Path, text: str) -> Records:
                 problems.append(_too_long(path, line, size))
                 continue
             if header is None:
-                header = [_column(h) for h in row]
+                header = _Header(_column(h) for h in row)
+                header.line = line
                 if len(header) == 1 and (";" in header[0] or "\t" in header[0]):
                     sep = "';'" if ";" in header[0] else "a tab"
                     raise FileProblem(Problem(str(path), line, None, None,
@@ -601,7 +608,7 @@ def read_batch(
     out.errors.extend(unreadable)
     out.bad_lines.update(p.line for p in unreadable)
     if path_s.lower().endswith(".csv"):
-        header_problems = checker.check_columns(columns, 1, header=True)
+        header_problems = checker.check_columns(columns, getattr(columns, "line", 1), header=True)
         out.errors.extend(header_problems)
         if header_problems:
             return out
