@@ -42,7 +42,7 @@ def main(verbose: int, log_json: bool) -> None:
       3  setup: model, device, storage or broker unusable, or another nightly run
          holds the lock; the run stops once and its jobs stay queued
          (clipmill run --resume BATCH continues)
-      130  run interrupted (Ctrl-C or SIGTERM): the group being rendered went
+      130  run or nightly interrupted (Ctrl-C or SIGTERM): the group being rendered went
          back to queued with its attempts unspent (clipmill run --resume BATCH)
     """
     from clipmill.jobs.core.logs import setup

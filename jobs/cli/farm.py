@@ -7,8 +7,8 @@ import os
 import click
 
 from clipmill.jobs.cli.batch import send_to_farm
-from clipmill.jobs.cli.common import (EXIT_JOB_FAILED, BadInput, SetupError, default_device, domain_errors, err,
-                                      open_db, out, redact_url, settings)
+from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, SetupError, default_device,
+                                      domain_errors, err, interruptible, open_db, out, redact_url, settings)
 
 
 def _need_broker(what: str) -> str:
@@ -190,7 +190,7 @@ def nightly(deadline, out_root, interval, group_size, device):
     db = open_db()
     sup = Supervisor(db, when, preview_max_s=settings().preview_max_s)
     try:
-        with single_run(db), domain_errors():
+        with single_run(db), domain_errors(), interruptible():
             err.print(f"nightly run until {when.isoformat(timespec='minutes')} ({sup.time_left() / 3600:.1f} h)")
             if settings().farm:
                 run_farm(db, sup, interval)
@@ -204,6 +204,11 @@ def nightly(deadline, out_root, interval, group_size, device):
                 run_batch(ctx, None, group_size, before_group=before_group)
     except NightlyRunning as e:
         raise SetupError(str(e))
+    except KeyboardInterrupt:
+        held = ("the render workers go on with the jobs they hold" if settings().farm else
+                "the jobs being rendered went back to queued with their attempts unspent")
+        err.print(f"interrupted: {held}; the next nightly run continues", markup=False, highlight=False)
+        raise SystemExit(EXIT_INTERRUPTED)
     report = sup.report()
     paths = write_report(report, open_storage(out_root), report_name(report))
     out.print(f"passed {report['passed']}, rejected {report['rejected']}, failed {report['failed']}, "
