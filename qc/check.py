@@ -8,6 +8,7 @@ differences and residuals are on a 0..255 scale and measured on the working copy
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
@@ -16,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from clipmill.qc.metrics import Series, measure, runs, working_size
+
+MIN_SIDE = 32  # px: the smallest side of QC's working copy (DIS optical flow crashes on 320x24)
 
 
 @dataclass(frozen=True)
@@ -72,42 +75,77 @@ class QCConfig:
     border_sides: int = 3  # ... along at least this many of the frame's 4 sides
 
     def __post_init__(self):
+        for f in fields(self):  # a NaN limit compares false with everything: its check would never fire
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{f.name} = {v!r}: allowed a finite number of 0 or more")
         if not 1 <= self.border_sides <= 4:
             raise ValueError(f"border_sides = {self.border_sides}: allowed 1-4 (a frame has 4 sides)")
+        if self.max_side < MIN_SIDE:
+            raise ValueError(f"max_side = {self.max_side}: allowed {MIN_SIDE} px or more (QC's smallest working size)")
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, str] | None = None,
              name: str = "--qc-config") -> QCConfig:
-        """Defaults, then a TOML file (top-level keys or a [qc] table), then ``overrides``. ``name``
-        is where ``path`` came from (an option or a variable), for the error message."""
-        values: dict = {}
+        """Defaults, then a TOML file (top-level keys and a [qc] table), then ``overrides`` (the
+        text of ``--set KEY=VALUE``). ``name`` is where ``path`` came from (an option or a
+        variable), for the error message; each error names the file or ``--set``."""
         if path is not None:
+            where = f"{name} {str(path)!r}"
             try:
-                data = tomllib.loads(Path(path).read_text())
+                data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
             except FileNotFoundError:
-                raise ValueError(f"{name} {str(path)!r}: no such file")
+                raise ValueError(f"{where}: no such file")
+            except UnicodeDecodeError:
+                raise ValueError(f"{where}: not UTF-8 text")
+            except OSError as e:
+                raise ValueError(f"{where}: cannot be read ({e.strerror or e})")
             except tomllib.TOMLDecodeError as e:
-                raise ValueError(f"{name} {str(path)!r}: not valid TOML ({e})")
-            values.update(data.get("qc", data))
-        values.update(overrides or {})
-        return cls.from_dict(values, source=str(path) if path else "--set")
+                raise ValueError(f"{where}: not valid TOML ({e})")
+            table = data.pop("qc", {})
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}: qc = {table!r}; give [qc] as a table of QC settings")
+            both = sorted(set(data) & set(table))
+            if both:
+                raise ValueError(f"{where}: {both[0]} is set both at the top and in [qc]; set it once")
+            cfg = cls.from_dict({**data, **table}, where)
+        else:
+            cfg = cls()
+        try:
+            return dataclasses.replace(cfg, **cls._typed(overrides or {}, "--set", from_text=True))
+        except ValueError as e:  # a value outside what a setting allows (__post_init__)
+            raise ValueError(e if str(e).startswith("--set: ") else f"--set: {e}") from None
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> QCConfig:
+        typed = cls._typed(values, source, from_text=False)
+        try:
+            return dataclasses.replace(cls(), **typed)
+        except ValueError as e:  # a value outside what a setting allows (__post_init__)
+            raise ValueError(f"{source}: {e}") from None
+
+    @classmethod
+    def _typed(cls, values: dict, source: str, from_text: bool) -> dict:
+        """``values`` checked against the settings' names and types: TOML values as TOML typed
+        them (an integer setting takes an integer, a number setting an integer or a float; no
+        booleans or strings), ``--set`` values parsed from their text."""
         known = {f.name: f for f in fields(cls)}
         out = {}
         for k, v in values.items():
             if k not in known:
                 raise ValueError(f"{source}: unknown QC setting {k!r}; known: {', '.join(known)}")
             typ = int if known[k].type in ("int", int) else float
-            try:
+            what = "an integer" if typ is int else "a number"
+            if from_text:
+                try:
+                    out[k] = typ(str(v))
+                except ValueError:
+                    raise ValueError(f"{source}: {k} = {v!r} is not {what}") from None
+            elif isinstance(v, bool) or not isinstance(v, (int, float) if typ is float else int):
+                raise ValueError(f"{source}: {k} = {v!r} is not {what}")
+            else:
                 out[k] = typ(v)
-            except (TypeError, ValueError):
-                raise ValueError(f"{source}: {k} = {v!r} is not {'an integer' if typ is int else 'a number'}")
-        try:
-            return dataclasses.replace(cls(), **out)
-        except ValueError as e:  # a value outside what a setting allows (__post_init__)
-            raise ValueError(f"{source}: {e}") from None
+        return out
 
 
 @dataclass
@@ -403,7 +441,6 @@ def check_frames(frames: np.ndarray, fps: float, cfg: QCConfig = QCConfig()) -> 
     return check_frames_with_series(frames, fps, cfg)[0]
 
 
-MIN_SIDE = 32  # px: the smallest side of QC's working copy (DIS optical flow crashes on 320x24)
 
 
 class FrameTooSmall(ValueError):

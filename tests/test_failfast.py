@@ -88,6 +88,16 @@ BAD_INPUT = [
      "id,prompt,tier); it reads 'a bowl of ramen, dolly in,sushi', which names no column; allowed: id, prompt,"),
     (("submit", "bigrow.csv"), "bigrow.csv:3: the row is 70003 bytes; the limit is 65536 bytes (64 KiB) per row"),
     (("submit", "bigrow.jsonl"), "bigrow.jsonl:2: the row is 70014 bytes; the limit is 65536 bytes (64 KiB) per row"),
+    (("interpolate", "good.csv", "o.mp4", "--fps", "nan"),  # NaN passes a plain range: no comparison is true
+     "Error: Invalid value for '--fps': 'nan' is not a number in the range 1<=x<=240"),
+    (("status", "--watch", "nan"), "Error: Invalid value for '--watch': 'nan' is not a number in the range 0.5<=x<=3600"),
+    (("nightly", "--interval", "-5", "--deadline", "+1"),
+     "Error: Invalid value for '--interval': -5.0 is not in the range 0.1<=x<=3600."),
+    (("train-model", "--seed", "-1"), "Error: Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295."),
+    (("train-model", "--stages", ""),
+     "Error: Invalid value for --stages: '' names no stage; give one or more of vae, text, teacher, student, decoder"),
+    (("bench", "--model", "tiny", "--frames", "0"),  # was the model's default frame count
+     "Error: Invalid value for --frames: 0: the animatediff model takes an integer from 8 to 32 frames"),
 ]
 
 

@@ -125,6 +125,33 @@ def test_config_from_toml_and_overrides(tmp_path):
     (tmp_path / "broken.toml").write_text("black_luma = \n")
     with pytest.raises(ValueError, match=r"^CLIPMILL_QC_CONFIG '.*broken.toml': not valid TOML \("):
         QCConfig.load(tmp_path / "broken.toml", name="CLIPMILL_QC_CONFIG")
+    # values that would turn a check off, or crash it, are refused with where they came from
+    for text, msg in [
+        ("qc = 5\n", "qc = 5; give [qc] as a table of QC settings"),
+        ("border_sides = inf\n", "border_sides = inf is not an integer"),
+        ("flicker_pairs = 3.7\n", "flicker_pairs = 3.7 is not an integer"),
+        ("black_luma = true\n", "black_luma = True is not a number"),
+        ('black_luma = "12"\n', "black_luma = '12' is not a number"),
+        ("black_luma = nan\n", "black_luma = nan: allowed a finite number of 0 or more"),
+        ("spike_min = -1\n", "spike_min = -1.0: allowed a finite number of 0 or more"),
+        ("black_luma = 5\n[qc]\nblack_luma = 6\n", "black_luma is set both at the top and in [qc]; set it once"),
+    ]:
+        (tmp_path / "v.toml").write_text(text)
+        with pytest.raises(ValueError) as e:
+            QCConfig.load(tmp_path / "v.toml")
+        assert str(e.value) == f"--qc-config '{tmp_path / 'v.toml'}': {msg}"
+    (tmp_path / "both.toml").write_text("black_luma = 5\n[qc]\nmin_pair_ssim = 0.4\n")  # both places are read
+    assert (QCConfig.load(tmp_path / "both.toml").black_luma, QCConfig.load(tmp_path / "both.toml").min_pair_ssim) == (5, 0.4)
+    for key, value, msg in [("max_side", "0", "max_side = 0: allowed 32 px or more (QC's smallest working size)"),
+                            ("border_line", "nan", "border_line = nan: allowed a finite number of 0 or more"),
+                            ("flicker_pairs", "-1", "flicker_pairs = -1: allowed a finite number of 0 or more"),
+                            ("max_side", "abc", "max_side = 'abc' is not an integer")]:
+        with pytest.raises(ValueError) as e:
+            QCConfig.load(tmp_path / "both.toml", {key: value})  # --set's own fault, not the file's
+        assert str(e.value) == f"--set: {msg}"
+    (tmp_path / "latin1.toml").write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(ValueError, match=r"^--qc-config '.*latin1.toml': not UTF-8 text$"):
+        QCConfig.load(tmp_path / "latin1.toml")
     frames = pan()
     frames[20:26] = 20  # dark but not black by default
     assert check_frames(frames, 24).verdict == "pass" or "black" not in " ".join(check_frames(frames, 24).reasons)
@@ -235,3 +262,16 @@ def test_frames_too_small_or_too_narrow_to_measure_are_refused(size):
 def test_the_smallest_frames_qc_takes_are_measured():
     frames = camera_move(photo("coffee"), "pan", 8, (320, 32), np.random.default_rng(0))
     assert check_frames(frames, 24).verdict == "pass"
+
+
+def test_a_contact_sheet_that_cannot_be_written_costs_no_verdict(tmp_path):
+    """It used to stop the run there: that file's verdict unprinted, the files after it unchecked."""
+    for name in ("a.mp4", "b.mp4"):
+        encode_h264(pan(n=24), 24, tmp_path / name)
+    (tmp_path / "a.mp4.sheet.png").mkdir()  # in the way
+    res = CliRunner().invoke(main, ["qc", "--sheet", str(tmp_path / "a.mp4"), str(tmp_path / "b.mp4")])
+    assert res.exit_code == 2
+    assert res.stdout.splitlines() == [f"pass {tmp_path / 'a.mp4'}", f"pass {tmp_path / 'b.mp4'}"]
+    assert f"error: --sheet: cannot write {tmp_path / 'a.mp4'}.sheet.png (Is a directory)" in res.stderr
+    assert "1 contact sheet(s) could not be written" in res.stderr
+    assert (tmp_path / "b.mp4.sheet.png").stat().st_size > 0

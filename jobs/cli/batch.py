@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, SetupError, batch_options,
+from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, FiniteRange, SetupError,
+                                      batch_options,
                                       default_device, domain_errors, duration, err, interruptible, open_db, out,
                                       print_table, qc_config_options,
                                       redact_url, settings, submit_options, warn, warn_model)
@@ -420,7 +421,7 @@ def submit_cmd(file, ad_template, opts):
 @click.command()
 @click.argument("batch", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--watch", type=click.FloatRange(0.5, 3600), default=None, metavar="SECONDS",
+@click.option("--watch", type=FiniteRange(0.5, 3600), default=None, metavar="SECONDS",
               help="With BATCH: print progress and ETA every SECONDS until no job is open.")
 @click.option("--limit", type=click.IntRange(0), default=200, show_default=True,
               help="With BATCH: jobs in the table (0: all); --json always lists every job.")

@@ -126,7 +126,7 @@ def bench_cmd(model, arch, size, frames, guidance, clips, repeat, compile_how, d
             size_t, msg = parse_size(size, info)
             if msg:
                 raise click.BadParameter(f"{size!r} {msg}", param_hint="--size")
-        n_frames = frames or info.default_frames
+        n_frames = info.default_frames if frames is None else frames
         if msg := info.check_frames(n_frames):
             raise click.BadParameter(f"{n_frames}: {msg}", param_hint="--frames")
         if adherence and failures:

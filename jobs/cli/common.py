@@ -48,6 +48,17 @@ def interruptible():
         signal.signal(signal.SIGTERM, before)
 
 
+class FiniteRange(click.FloatRange):
+    """click.FloatRange that also refuses NaN (every comparison with NaN is false, so a plain
+    range lets it through)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if rv != rv:
+            self.fail(f"{value!r} is not a number in the range {self._describe_range()}", param, ctx)
+        return rv
+
+
 class BadInput(click.ClickException):
     """A bad option value, file or row: exit 2, nothing changed."""
 
@@ -195,8 +206,10 @@ def qc_config_options(fn):
             if not sep:
                 raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
             overrides[key.strip()] = value.strip()
+        ctx = click.get_current_context(silent=True)
+        from_env = ctx is not None and ctx.get_parameter_source("qc_config") is click.core.ParameterSource.ENVIRONMENT
         try:
-            cfg = QCConfig.load(qc_config, overrides)
+            cfg = QCConfig.load(qc_config, overrides, name="CLIPMILL_QC_CONFIG" if from_env else "--qc-config")
         except ValueError as e:
             raise BadInput(str(e))
         return fn(*args, qc_cfg=cfg, **kw)

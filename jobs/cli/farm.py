@@ -7,7 +7,7 @@ import os
 import click
 
 from clipmill.jobs.cli.batch import send_to_farm
-from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, SetupError, default_device,
+from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, EXIT_JOB_FAILED, BadInput, FiniteRange, SetupError, default_device,
                                       domain_errors, err, interruptible, open_db, out, redact_url, settings)
 
 
@@ -84,7 +84,7 @@ def beat(schedule_file, loglevel):
 
 
 @click.command()
-@click.option("--stale", type=float, default=600, show_default=True, help="Seconds after which a sent job is sent again.")
+@click.option("--stale", type=FiniteRange(0), default=600, show_default=True, help="Seconds after which a sent job is sent again.")
 def reconcile(stale):
     """Make the broker agree with the job table: take back jobs whose worker lease expired, send
     again queued jobs that were never sent (broker down at submit) or sent long ago, and rendered
@@ -155,7 +155,7 @@ def retry(target, failed, rejected, cancelled):
               help="HH:MM (next such time in CLIPMILL_TIMEZONE, default this host's zone), +SECONDS, or an ISO date-time.")
 @click.option("--out", "out_root", default="clipmill-out", show_default=True, envvar="CLIPMILL_OUT",
               help="Storage root; the report goes to OUT/reports/nightly-DATE.{md,json}.")
-@click.option("--interval", type=float, default=30.0, show_default=True, help="Farm mode: seconds between checks.")
+@click.option("--interval", type=FiniteRange(0.1, 3600), default=30.0, show_default=True, help="Farm mode: seconds between checks.")
 @click.option("--group-size", type=click.IntRange(1, 16), default=4, show_default=True, help="Embedded mode: jobs per render call.")
 @click.option("--device", default=None, help="Embedded mode: torch device.")
 def nightly(deadline, out_root, interval, group_size, device):

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from clipmill.jobs.cli.common import EXIT_BAD_INPUT, BadInput, domain_errors, err, out, qc_config_options
+from clipmill.jobs.cli.common import EXIT_BAD_INPUT, BadInput, FiniteRange, domain_errors, err, out, qc_config_options
 
 
 @click.command()
@@ -28,7 +28,8 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
     A file that cannot be read or checked (missing, a folder, not a video, frames too small to
     measure) gets an error line naming it and why, never a verdict; the other files are still
-    checked, and the exit code is 2. Exits 0 when every file was read and checked, whatever the
+    checked, and the exit code is 2 (as it is when a --sheet cannot be written: an error line
+    after that file's verdict). Exits 0 when every file was read and checked, whatever the
     verdicts.
 
     \b
@@ -48,7 +49,7 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     from clipmill.qc.check import FrameTooSmall
     from clipmill.qc.report import contact_sheet, explain_lines
 
-    unreadable = 0
+    unreadable = unwritten = 0
     for f in files:
         try:
             check_input_file(f)
@@ -62,25 +63,29 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             err.print(f"[red]error:[/] {escape(f)}: {escape(reason)}", soft_wrap=True, highlight=False)
             continue
         rec = {"path": f, "verdict": res.verdict, "reasons": res.reasons, "metrics": res.metrics}
-        if sheet:
-            try:
-                Path(f + ".sheet.png").write_bytes(contact_sheet(frames, series, res))
-            except OSError as e:
-                raise BadInput(f"--sheet: cannot write {f}.sheet.png ({e.strerror or e})")
         if as_json:
             if explain:
                 rec["series"] = series.as_lists()
             click.echo(json.dumps(rec, ensure_ascii=False))
-            continue
-        colour = "green" if rec["verdict"] == "pass" else "red"
-        out.print(f"[{colour}]{rec['verdict']}[/] {escape(f)}", soft_wrap=True)
-        for r in rec["reasons"]:
-            out.print(f"    {r}", markup=False, soft_wrap=True)
-        if explain:
-            for line in explain_lines(series, fps):
-                out.print("    " + line, markup=False, soft_wrap=True)
-    if unreadable:
-        err.print(f"{unreadable} of {len(files)} file(s) could not be read or checked", highlight=False)
+        else:
+            colour = "green" if rec["verdict"] == "pass" else "red"
+            out.print(f"[{colour}]{rec['verdict']}[/] {escape(f)}", soft_wrap=True)
+            for r in rec["reasons"]:
+                out.print(f"    {r}", markup=False, soft_wrap=True)
+            if explain:
+                for line in explain_lines(series, fps):
+                    out.print("    " + line, markup=False, soft_wrap=True)
+        if sheet:  # after the verdict, which stands whether or not its sheet can be written
+            try:
+                Path(f + ".sheet.png").write_bytes(contact_sheet(frames, series, res))
+            except OSError as e:
+                unwritten += 1
+                err.print(f"[red]error:[/] --sheet: cannot write {escape(f)}.sheet.png ({escape(e.strerror or str(e))})",
+                          soft_wrap=True, highlight=False)
+    if unreadable or unwritten:
+        err.print(", ".join(part for part in (
+            f"{unreadable} of {len(files)} file(s) could not be read or checked" if unreadable else "",
+            f"{unwritten} contact sheet(s) could not be written" if unwritten else "") if part), highlight=False)
         sys.exit(EXIT_BAD_INPUT)
 
 
@@ -116,7 +121,7 @@ def _qc_bench(cfg, as_json: bool) -> None:
 @click.command()
 @click.argument("src", required=False, type=click.Path(dir_okay=False))
 @click.argument("dst", required=False, type=click.Path(dir_okay=False))
-@click.option("--fps", type=click.FloatRange(1, 240), default=None, help="Output frame rate (any ratio to the input's).")
+@click.option("--fps", type=FiniteRange(1, 240), default=None, help="Output frame rate (any ratio to the input's).")
 @click.option("--bench", is_flag=True, help="Measure instead: PSNR of interpolated frames against dropped ground truth, "
               "vs linear blending and frame repetition, and speed at 720p.")
 @click.option("--json", "as_json", is_flag=True, help="With --bench: print JSON.")

@@ -31,7 +31,8 @@ def clean_caption(raw: str) -> str:
 @click.option("--ckpt", type=click.Path(file_okay=False), default=None,
               help="Checkpoint folder, kept between runs: rerun the same command to resume "
                    "[default: $CLIPMILL_TRAIN_DIR or ~/.cache/clipmill/train].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seeds every stage; a checkpoint folder keeps its seed.")
+@click.option("--seed", type=click.IntRange(0, 2**32 - 1), default=0, show_default=True,
+              help="Seeds every stage; a checkpoint folder keeps its seed.")
 @click.option("--threads", type=click.IntRange(1, 256), default=1, show_default=True,
               help="torch CPU threads (keep 1 while anything else runs: 2 contending threads are 10x slower).")
 @click.option("--device", default=None, metavar="cpu|cuda[:N]",
@@ -76,6 +77,8 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
     from clipmill.jobs.core.preflight import check_device
 
     names = tuple(s.strip() for s in stages.split(",") if s.strip())
+    if not names:
+        raise click.BadParameter(f"{stages!r} names no stage; give one or more of {', '.join(STAGES)}", param_hint="--stages")
     if bad := [s for s in names if s not in STAGES]:
         raise click.BadParameter(f"{bad[0]!r} is not a stage; allowed: {', '.join(STAGES)}", param_hint="--stages")
     with domain_errors():  # before anything is written
