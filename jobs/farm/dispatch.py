@@ -95,18 +95,19 @@ def reconcile(db: Database, stale_s: float = 600) -> dict:
             Job.state == JobState.QUEUED.value, or_(Job.enqueued_at.is_(None), Job.enqueued_at < cutoff)
         ).order_by(Job.priority.desc(), Job.id)))
     sent = send_render(db, ids) if ids else 0
-    posts = 0
-    for attempt_id in pending_post(db):  # a second message for one already in flight does nothing
-        send_post(attempt_id)
-        posts += 1
-    assembles = 0
-    for ad_id in unassembled(db):
-        send_assemble(ad_id)
-        assembles += 1
-    notifies = 0
-    for batch_id in unnotified(db):
-        send_notify(batch_id)
-        notifies += 1
+    posts = assembles = notifies = 0
+    try:
+        for attempt_id in pending_post(db):  # a second message for one already in flight does nothing
+            send_post(attempt_id)
+            posts += 1
+        for ad_id in unassembled(db):
+            send_assemble(ad_id)
+            assembles += 1
+        for batch_id in unnotified(db):
+            send_notify(batch_id)
+            notifies += 1
+    except (KombuError, RedisError, OSError) as e:  # as send_render's: the caller says so and tries again later
+        raise BrokerDown(str(e) or e.__class__.__name__) from e
     return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts, "assemble_sent": assembles,
             "notify_sent": notifies}
 

@@ -22,7 +22,7 @@ from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, AdDecision, Attempt, Batch, Decision, Job
 from clipmill.jobs.core.states import JobState
 from clipmill.storage import LocalStorage, open_storage
-from clipmill.storage.base import sha256_file
+from clipmill.storage.base import StorageError, sha256_file
 
 MANIFEST_FIELDS = ("job_id", "client_id", "file", "bytes", "sha256", "prompt", "prompt_raw", "seed", "tier", "model",
                    "qc_verdict", "qc_metrics", "approver", "approved_at")
@@ -81,10 +81,16 @@ def approved_count(db: Database, batch_id: str) -> tuple[int, str]:
             Job.batch_id == batch_id, Job.state == JobState.APPROVED.value)), "clip"
 
 
-def _deliver(src, dest, key: str, name: str, result: ExportResult) -> tuple[int, str]:
-    """Copy ``key`` of ``src`` to ``name`` of ``dest`` unless the same bytes are there."""
-    with _local_copy(src, key) as path:
+def _deliver(src, dest, key: str, name: str, result: ExportResult, what: str,
+             expect_sha256: str | None = None) -> tuple[int, str]:
+    """Copy ``key`` of ``src`` to ``name`` of ``dest`` unless the same bytes are there. A stored
+    file that is missing, or whose SHA-256 is not ``expect_sha256``, is refused before anything
+    is written (``what`` names it: "job 12", "ad 3 square")."""
+    with _local_copy(src, key, what) as path:
         size, digest = os.path.getsize(path), sha256_file(path)
+        if expect_sha256 is not None and digest != expect_sha256:
+            raise ExportError(f"{what}: the stored file's SHA-256 {digest[:12]}... is not the one its assembly "
+                              f"recorded ({expect_sha256[:12]}...); assemble it again before delivery")
         if dest.stat(name) == (size, digest):
             result.skipped.append(name)
         else:
@@ -120,7 +126,7 @@ def export_batch(db: Database, batch_id: str, dest_url: str, progress=None) -> E
     result = ExportResult(dest_url)
     for n, (job, attempt, decision) in enumerate(items, start=1):
         name = f"{batch_id}/{job.id}" + (f"-{job.client_id}" if job.client_id else "") + ".mp4"
-        size, digest = _deliver(src, dest, attempt.clip_key, name, result)
+        size, digest = _deliver(src, dest, attempt.clip_key, name, result, f"job {job.id}")
         result.rows.append({
             "job_id": job.id, "client_id": job.client_id or "", "file": name, "bytes": size, "sha256": digest,
             "prompt": job.prompt, "prompt_raw": job.prompt_raw, "seed": attempt.seed, "tier": attempt.tier,
@@ -135,8 +141,8 @@ def export_batch(db: Database, batch_id: str, dest_url: str, progress=None) -> E
 
 
 def export_ads(db: Database, batch_id: str, dest_url: str, progress=None) -> ExportResult:
-    """An ad batch's approved ads, every format: ``BATCH/ROW-ID/FORMAT.mp4`` (the ad's id when
-    its row has none), one manifest row per ad and format with the row's placeholder values,
+    """An ad batch's approved ads, every format: ``BATCH/ROW-ID/FORMAT.mp4`` (``ad-N``, N the ad's
+    number, when its row has none), one manifest row per ad and format with the row's placeholder values,
     the duration, the SHA-256 and the seeds of its shots in order."""
     with db.session() as s:
         batch = s.get(Batch, batch_id)
@@ -145,6 +151,7 @@ def export_ads(db: Database, batch_id: str, dest_url: str, progress=None) -> Exp
         for d in s.scalars(select(AdDecision).where(AdDecision.ad_id.in_([a.id for a in ads]),
                                                     AdDecision.decision == "approved").order_by(AdDecision.id)):
             approvals[d.ad_id] = d  # the last approval of each
+    folders = _ad_folders(batch_id, ads)
     src = open_storage(batch.out)
     dest = open_storage(dest_url)
     result = ExportResult(dest_url)
@@ -152,14 +159,11 @@ def export_ads(db: Database, batch_id: str, dest_url: str, progress=None) -> Exp
         formats = (ad.outputs or {}).get("formats") or {}
         if not formats:
             raise ExportError(f"ad {ad.id} is approved but has no assembled files")
-        folder = f"{batch_id}/{ad.client_id or ad.id}"
+        folder = folders[ad.id]
         d = approvals.get(ad.id)
         for name, f in formats.items():
             target = f"{folder}/{name}.mp4"
-            size, digest = _deliver(src, dest, f["file"], target, result)
-            if digest != f["sha256"]:
-                raise ExportError(f"ad {ad.id} {name}: the stored file's SHA-256 {digest[:12]}... is not the one its "
-                                  f"assembly recorded ({f['sha256'][:12]}...); assemble it again before delivery")
+            size, digest = _deliver(src, dest, f["file"], target, result, f"ad {ad.id} {name}", f["sha256"])
             result.rows.append({
                 "ad_id": ad.id, "row_id": ad.client_id or "", "line": ad.line, "values": ad.values, "format": name,
                 "width": f["width"], "height": f["height"], "duration": f["seconds"], "file": target, "bytes": size,
@@ -173,18 +177,40 @@ def export_ads(db: Database, batch_id: str, dest_url: str, progress=None) -> Exp
     return result
 
 
+def _ad_folders(batch_id: str, ads) -> dict[int, str]:
+    """Each ad's folder: its row id, or ``ad-N`` (N its number) for a row without one. Two ads
+    that would share a folder (a row whose id is another ad's ``ad-N``) are refused: one would
+    overwrite the other's files."""
+    folders, seen = {}, {}
+    for ad in ads:
+        folder = f"{batch_id}/{ad.client_id or f'ad-{ad.id}'}"
+        if folder in seen:
+            raise ExportError(f"ads {seen[folder]} and {ad.id} would both be delivered to {folder}/; "
+                              "give the rows distinct ids")
+        folders[ad.id], seen[folder] = folder, ad.id
+    return folders
+
+
 class _local_copy:
     """A local path for a stored key: the file itself for local storage, a temp copy for S3."""
 
-    def __init__(self, store, key: str):
-        self.store, self.key, self.tmp = store, key, None
+    def __init__(self, store, key: str, what: str):
+        self.store, self.key, self.what, self.tmp = store, key, what, None
 
     def __enter__(self) -> str:
-        if isinstance(self.store, LocalStorage):
-            return str(self.store.path(self.key))
+        try:
+            if isinstance(self.store, LocalStorage):
+                path = self.store.path(self.key)
+                if not path.is_file():
+                    raise FileNotFoundError(2, "no such file")
+                return str(path)
+            data = self.store.get_bytes(self.key)
+        except (OSError, StorageError) as e:  # a missing or unreadable clip: one line, nothing of it delivered
+            raise ExportError(f"{self.what}: its file {self.key} cannot be read from the batch's storage "
+                              f"({getattr(e, 'strerror', None) or e}); nothing of it was delivered") from None
         fd, self.tmp = tempfile.mkstemp(suffix=".mp4", prefix="clipmill-export-")
         with os.fdopen(fd, "wb") as f:
-            f.write(self.store.get_bytes(self.key))
+            f.write(data)
         return self.tmp
 
     def __exit__(self, *exc) -> None:
