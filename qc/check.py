@@ -77,7 +77,9 @@ class QCConfig:
     def __post_init__(self):
         for f in fields(self):  # a NaN limit compares false with everything: its check would never fire
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{f.name} = {v!r}: allowed a finite number")
+            if v < 0 and "ssim" not in f.name:  # an SSIM runs from -1 to 1: below -1 turns its check off
                 raise ValueError(f"{f.name} = {v!r}: allowed a finite number of 0 or more")
         if not 1 <= self.border_sides <= 4:
             raise ValueError(f"border_sides = {self.border_sides}: allowed 1-4 (a frame has 4 sides)")

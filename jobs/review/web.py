@@ -49,6 +49,12 @@ TOKEN_COOKIE = "clipmill_token"
 MEDIA_TYPES = {"clip": "video/mp4", "poster": "image/jpeg", "sheet": "image/png"}
 
 
+
+def _same(given: str, token: str) -> bool:
+    """A constant-time comparison of any text: hmac.compare_digest takes ASCII str only, and a
+    token typed with another character raised (a 500 instead of a 401)."""
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
+
 def create_app(db: Database, token: str | None = None, default_batch: str | None = None,
                send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
                previews: Previews | None = None) -> FastAPI:
@@ -67,12 +73,12 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
             if auth.lower().startswith("bearer "):
                 given = auth[7:]
             query = request.query_params.get("token")
-            if query and hmac.compare_digest(query, token) and request.method == "GET":
+            if query and _same(query, token) and request.method == "GET":
                 # log in: keep the token in an HttpOnly cookie, drop it from the address bar
                 resp = RedirectResponse(request.url.path, status_code=303)
                 resp.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict")
                 return resp
-            if not hmac.compare_digest(given, token):
+            if not _same(given, token):
                 return Response("401: this review server needs its token (open /?token=...)\n", status_code=401,
                                 media_type="text/plain")
         return await call_next(request)
