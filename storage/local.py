@@ -56,6 +56,11 @@ class LocalStorage:
     def get_bytes(self, key: str) -> bytes:
         return self.path(key).read_bytes()
 
+    def get_range(self, key: str, first: int, last: int) -> bytes:
+        with open(self.path(key), "rb") as f:
+            f.seek(first)
+            return f.read(max(0, last - first + 1))
+
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
 

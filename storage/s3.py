@@ -81,6 +81,10 @@ class S3Storage:
     def get_bytes(self, key: str) -> bytes:
         return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
 
+    def get_range(self, key: str, first: int, last: int) -> bytes:
+        """Bytes ``first`` to ``last`` (inclusive) of an object, fetched alone (a browser seeking)."""
+        return self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={first}-{last}")["Body"].read()
+
     def stat(self, key: str) -> tuple[int, str | None] | None:
         """(size, sha256 from metadata) of an object, or None if it does not exist."""
         from botocore.exceptions import ClientError

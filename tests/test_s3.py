@@ -87,9 +87,19 @@ def test_run_to_s3_review_from_s3_and_export_to_s3(s3, tmp_path):
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_port(port, srv)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/media/{jobs[0].id}/1/clip") as r:
-            assert r.headers["content-type"] == "video/mp4"
-            assert r.read() == st.get_bytes(f"s3b/{jobs[0].id}/a1.mp4")
+        url, whole = f"http://127.0.0.1:{port}/media/{jobs[0].id}/1/clip", st.get_bytes(f"s3b/{jobs[0].id}/a1.mp4")
+        with urllib.request.urlopen(url) as r:
+            assert r.headers["content-type"] == "video/mp4" and r.headers["accept-ranges"] == "bytes"
+            assert r.read() == whole
+        # a browser seeking (Safari asks for ranges only): 206 with just those bytes
+        for asked, (first, last) in (("bytes=0-1", (0, 1)), ("bytes=100-", (100, len(whole) - 1)),
+                                     ("bytes=-10", (len(whole) - 10, len(whole) - 1))):
+            with urllib.request.urlopen(urllib.request.Request(url, headers={"Range": asked})) as r:
+                assert r.status == 206 and r.headers["content-range"] == f"bytes {first}-{last}/{len(whole)}"
+                assert r.read() == whole[first:last + 1]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(urllib.request.Request(url, headers={"Range": f"bytes={len(whole)}-"}))
+        assert e.value.code == 416 and e.value.headers["content-range"] == f"bytes */{len(whole)}"
     finally:
         stop(srv)
 

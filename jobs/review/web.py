@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import secrets
 from dataclasses import fields, replace
 from datetime import datetime
@@ -293,31 +294,56 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
                 "background": runner is not None and runner.busy, "errors": list(runner.errors) if runner else []}
 
     @app.get("/ad-media/{ad_id}/{fmt}/{kind}")
-    def ad_media(ad_id: int, fmt: str, kind: str):
+    def ad_media(ad_id: int, fmt: str, kind: str, request: Request):
         found = ad_review.ad_media_key(db, ad_id, fmt, kind)
         if found is None:
             raise HTTPException(404, "no such file")
-        return stored(*found, "video/mp4" if kind == "clip" else "image/jpeg")
+        return stored(*found, "video/mp4" if kind == "clip" else "image/jpeg", request.headers.get("range"))
 
     @app.get("/media/{job_id}/{attempt_no}/{kind}")
-    def media(job_id: int, attempt_no: int, kind: str):
+    def media(job_id: int, attempt_no: int, kind: str, request: Request):
         found = media_key(db, job_id, attempt_no, kind)
         if found is None:
             raise HTTPException(404, "no such file")
-        return stored(*found, MEDIA_TYPES[kind])
+        return stored(*found, MEDIA_TYPES[kind], request.headers.get("range"))
 
-    def stored(root: str, key: str, media_type: str):
+    def stored(root: str, key: str, media_type: str, range_header: str | None = None):
         store = open_storage(root)
         if isinstance(store, LocalStorage):
             path = store.path(key).resolve()
             if not path.is_relative_to(store.root) or not path.is_file():
                 raise HTTPException(404, "no such file")
-            return FileResponse(path, media_type=media_type)
-        if not store.exists(key):
+            return FileResponse(path, media_type=media_type)  # answers Range requests itself
+        st = store.stat(key)
+        if st is None:
             raise HTTPException(404, "no such file")
-        return Response(store.get_bytes(key), media_type=media_type)
+        size, headers = st[0], {"Accept-Ranges": "bytes"}
+        span = byte_range(range_header, size)
+        if span is None:  # no range asked (or one this server does not serve): the whole object
+            return Response(store.get_bytes(key), media_type=media_type, headers=headers)
+        if span == "unsatisfiable":
+            return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+        start, end = span  # a browser seeking in a clip (Safari asks for ranges only)
+        return Response(store.get_range(key, start, end), status_code=206, media_type=media_type,
+                        headers={**headers, "Content-Range": f"bytes {start}-{end}/{size}"})
 
     return app
+
+
+def byte_range(header: str | None, size: int) -> tuple[int, int] | str | None:
+    """(first, last) byte of an HTTP ``Range: bytes=A-B`` (or ``bytes=-N``, the last N) within
+    ``size``; "unsatisfiable" when it starts past the end; None when there is none, or it is not
+    one range of bytes (several ranges, other units), which the whole object answers."""
+    m = re.fullmatch(r"\s*bytes\s*=\s*(\d*)\s*-\s*(\d*)\s*", header or "")
+    if m is None or not (m[1] or m[2]):
+        return None
+    if m[1]:
+        start, end = int(m[1]), min(int(m[2]) if m[2] else size - 1, size - 1)
+        if m[2] and int(m[2]) < start:
+            return None  # malformed: ignored, as RFC 9110 says
+    else:
+        start, end = max(0, size - int(m[2])), size - 1
+    return "unsatisfiable" if start >= size or end < start else (start, end)
 
 
 def _view_of(params: dict) -> View:
