@@ -49,6 +49,11 @@ def worker(queues, gpu, concurrency, loglevel):
         if queues == "post":
             raise click.UsageError("--gpu is for --queues render or preview")
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        import torch
+
+        if not torch.cuda.is_available():  # it would render on the CPU, a hundred times slower, saying nothing
+            raise SetupError(f"--gpu {gpu}: torch sees no CUDA device {gpu} on this host (CUDA_VISIBLE_DEVICES={gpu}); "
+                             "a container given one GPU sees it as device 0")
     name = f"{queues}{'' if gpu is None else gpu}-{os.getpid()}@%h"
     # solo: one task at a time, and concurrency 1 so that prefetch 1 reserves no second message
     # (Celery reserves multiplier x concurrency, and concurrency defaults to the CPU count)
