@@ -94,6 +94,18 @@ def test_the_example_template_loads_with_its_formats_shots_and_placeholders():
      "music.volume = 3: allowed: a number from 0 to 2"),
     ("[[formats]]\nsize = [720, 720]\nshape = 'round'\n", "formats[0].shape: unknown setting; allowed: name, size, method, pad_colour, delivery"),
     ("fps = 120\n[[formats]]\nsize = [720, 720]\n", "fps = 120: allowed: an integer from 8 to 60"),
+    # TOML has nan: it passed every range check, then crashed the check or the assembly
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = nan\n",
+     "shots[0].seconds = nan: allowed: a number from 0.25 to 30"),
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[music]\nfile = 'm.wav'\nvolume = nan\n",
+     "music.volume = nan: allowed: a number from 0 to 2"),
+    # the name is the ad's file name: '9/16' made every ad fail after its shots had rendered
+    ("[[formats]]\nname = '9/16'\nsize = [720, 720]\n",
+     "formats[0].name = '9/16': allowed: 1-32 letters, digits, '.', '_' or '-', starting with a letter or digit"),
+    # each shot is cut to whole frames: 2.5 s at 25 fps made every ad 1.5 frames short, and QC rejected it
+    ("fps = 25\n[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2.5\n",
+     "shots[0].seconds = 2.5: allowed: a whole number of frames at the template's 25 fps (a multiple of 0.04 s, "
+     "such as 2.48)"),
 ])
 def test_a_bad_template_is_refused_naming_the_file_field_value_and_what_is_allowed(tmp_path, body, message):
     p = _write(tmp_path, body)

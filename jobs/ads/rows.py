@@ -122,12 +122,15 @@ def _check_file(path: Path, kind: str) -> str | None:
             from PIL import ImageFont
 
             ImageFont.truetype(str(path), size=12, index=0)
+            missing_glyphs(path, "a")  # the glyph check reads the font's tables too (fontTools)
         elif kind == "music":
             import av
 
             with av.open(str(path)) as c:
                 if not c.streams.audio:
                     return f"has no audio stream ({path})"
+                if not any(f.samples for f in c.decode(c.streams.audio[0])):
+                    return f"has an audio stream with no samples ({path})"
     except Exception as e:  # noqa: BLE001 - Pillow, FreeType and FFmpeg raise their own kinds
         return f"cannot be read as a {kind} file ({path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None

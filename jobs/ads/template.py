@@ -12,6 +12,7 @@ against it. Nothing here renders.
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from math import gcd
@@ -210,7 +211,7 @@ class _Reader:
                                        f"; give {'an integer' if integer else 'a number'} from {lo:g} to {hi:g}"))
             return default
         v = self.t[key]
-        ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+        ok = isinstance(v, int) if integer else isinstance(v, (int, float)) and math.isfinite(v)  # TOML has nan and inf
         if isinstance(v, bool) or not ok or (lo is not None and v < lo) or (hi is not None and v > hi):
             kind = "an integer" if integer else "a number"
             rng = f" from {lo:g} to {hi:g}" if lo is not None and hi is not None else (f" >= {lo:g}" if lo is not None else "")
@@ -304,7 +305,10 @@ def _format(r: _Reader, i: int) -> Format:
                                                                 and 64 <= x <= 3840 and x % 2 == 0 for x in size)):
         raise r.err("size", size, "allowed: [width, height], even integers from 64 to 3840")
     d = r.table("delivery")
-    return Format(name=r.text("name", f"format{i + 1}"), width=size[0], height=size[1],
+    name = r.text("name", f"format{i + 1}")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}", name):  # it names the ad's files: BATCH/ROW/NAME.mp4
+        raise r.err("name", name, "allowed: 1-32 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    return Format(name=name, width=size[0], height=size[1],
                   method=r.text("method", "render", METHODS), pad_colour=r.colour("pad_colour", "#000000"),
                   delivery=_delivery(r.child("delivery", d or {})))
 
@@ -362,6 +366,10 @@ def load(path: str | Path) -> AdTemplate:
         crossfade = s.num("crossfade", 0.5, 0.04, seconds / 2) if transition == "crossfade" else 0.0
         if transition == "crossfade" and i == 0:
             raise s.err("transition", transition, "the first shot has no shot before it to fade from; use 'cut'")
+        for key, v in (("seconds", seconds), ("crossfade", crossfade)):
+            if abs(v * fps - round(v * fps)) > 1e-6:  # each is cut to whole frames: the ad came out short
+                raise s.err(key, v, f"allowed: a whole number of frames at the template's {fps} fps "
+                                    f"(a multiple of {1 / fps:.4g} s, such as {round(v * fps) / fps:g})")
         tier = s.text("tier", "", ("", *TIERS)) or None
         shots.append(ShotSpec(s.text("prompt"), seconds, tier, transition, crossfade, s.text("negative_prompt", "")))
     if not shots:
@@ -378,6 +386,9 @@ def load(path: str | Path) -> AdTemplate:
         e = r.child("end_card", ec)
         e.known(("seconds", "background", "texts"))
         secs = e.num("seconds", None, 0.5, 10.0, required=True)
+        if abs(secs * fps - round(secs * fps)) > 1e-6:
+            raise e.err("seconds", secs, f"allowed: a whole number of frames at the template's {fps} fps "
+                                         f"(a multiple of {1 / fps:.4g} s, such as {round(secs * fps) / fps:g})")
         bg = e.text("background", "blur")
         if bg != "blur":
             try:
