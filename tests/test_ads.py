@@ -369,3 +369,14 @@ def test_i420_composition_matches_composing_in_rgb_then_converting():
     under = i420.region_rgb(i420.from_rgb(want), (10, 10, 20, 20), step=3)
     assert under.shape == (49, 3) and np.abs(under.astype(int) - want[10:30:3, 10:30:3].reshape(-1, 3)).mean() < 4
     assert np.abs(i420.to_rgb(i420.blank((8, 8), (200, 40, 90))).astype(int) - (200, 40, 90)).max() <= 2
+
+
+def test_an_ads_texts_keep_the_rows_own_characters():
+    """The prompt cleaning rewrote them: "Acme™ ½" became "AcmeTM 1⁄2", "好吃，不贵！" lost its
+    full-width punctuation, and a Persian word lost its zero-width non-joiner (another spelling)."""
+    from clipmill.jobs.ads.rows import shown_text
+
+    assert shown_text("  Acme™ ½ ") == "Acme™ ½"
+    assert shown_text("好吃，不贵！") == "好吃，不贵！"
+    assert shown_text("می\u200cخواهم") == "می\u200cخواهم"
+    assert shown_text("two  spaces\tand a bell\x07\nsecond line ") == "two spaces and a bell\nsecond line"

@@ -15,6 +15,8 @@ what is allowed (as a prompt batch's rows are):
 from __future__ import annotations
 
 import math
+import re
+import unicodedata
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -199,7 +201,9 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
     if errs:
         return None, errs
 
-    texts, files, text_px, layout_errs = layout(tpl, values, path, line)
+    # the texts drawn on the ad keep the row's own characters: the prompt cleaning (full-width
+    # punctuation folded, "™" to "TM", joiners and direction marks dropped) is for prompts only
+    texts, files, text_px, layout_errs = layout(tpl, {k: shown_text(v) for k, v in rec.items()}, path, line)
     errs += layout_errs
 
     base_seed = seed if seed is not None else derive_seed("\n".join(fill(s.prompt, values) for s in tpl.shots), line)
@@ -222,6 +226,15 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
     if errs:
         return None, errs
     return AdRow(line, client_id, values, base_seed, shots, texts, files, text_px), []
+
+
+def shown_text(value) -> str:
+    """A row's value as an ad draws it: Unicode NFC, control characters other than line breaks
+    and tabs removed (format characters such as ZWNJ, ZWJ and direction marks kept: they change
+    how a word is spelled or ordered), runs of spaces and tabs made one space, ends trimmed."""
+    text = unicodedata.normalize("NFC", str(value))
+    text = "".join(ch for ch in text if ch in "\n\t" or unicodedata.category(ch) != "Cc")
+    return "\n".join(re.sub(r"[ \t]+", " ", part).strip() for part in text.split("\n")).strip()
 
 
 def _frames_for(seconds: float, info: ModelInfo) -> int:
