@@ -453,3 +453,47 @@ def test_max_lost_is_an_option_of_submit_and_run(sqlite_url, tmp_path, monkeypat
     assert res.exit_code == 0, res.output
     status = CliRunner().invoke(main, ["status", "b", "--json"])
     assert json.loads(status.output)["max_lost"] == 5
+
+
+# -- the post stage: one worker at a time, and a failed post keeps no files -------------------------
+
+@pytest.mark.slow
+def test_a_post_message_for_an_attempt_another_worker_is_checking_does_nothing(db, tmp_path):
+    """A post message delivered twice (reconcile re-sends what waits): the second post worker
+    used to encode, check and store under the same keys too, after the first had recorded its
+    verdict (the encode is not bit-identical, so what was stored need not match the verdict)."""
+    from clipmill.jobs.core.queue import claim_post
+
+    make_batch(db, tmp_path, rows=1)
+    ctx = WorkerContext(db)
+    (c,) = claim_group(db, "w:1", "b", size=1)
+    assert render_group(ctx, [c.attempt_id]) == [c.attempt_id]
+    jobs, _ = jobs_and_attempts(db)
+    assert (jobs[0].state, jobs[0].lease_owner) == ("post", None)  # the render lease ends with the render
+    assert claim_post(db, c.job_id, "otherhost.invalid:7")  # a live worker elsewhere is checking it
+    assert post_attempt(ctx, c.attempt_id) is None
+    jobs, by_job = jobs_and_attempts(db)
+    assert (jobs[0].state, by_job[c.job_id][0].state) == ("post", "rendered")
+    assert not (tmp_path / "out" / "b" / str(c.job_id) / "a1.mp4").exists()
+    assert claim_post(db, c.job_id, "otherhost.invalid:7", lease_s=-1)  # ... and then its lease ran out
+    assert post_attempt(ctx, c.attempt_id) in ("pass", "reject")
+    jobs, _ = jobs_and_attempts(db)
+    assert jobs[0].state in ("passed", "rejected", "queued") and jobs[0].lease_owner is None
+
+
+@pytest.mark.slow
+def test_a_post_that_fails_part_way_keeps_none_of_its_files(db, tmp_path):
+    """A storage error after the clip and poster were written (the contact sheet's key is a
+    folder here): the attempt fails, and its clip, poster and raw frames are deleted, not left
+    for good (cancel only cleans open attempts)."""
+    make_batch(db, tmp_path, rows=1, max_attempts=2)
+    ctx = WorkerContext(db)
+    (c,) = claim_group(db, "w:1", "b", size=1)
+    render_group(ctx, [c.attempt_id])
+    folder = tmp_path / "out" / "b" / str(c.job_id)
+    (folder / "a1.sheet.png").mkdir()
+    assert post_attempt(ctx, c.attempt_id) is None
+    jobs, by_job = jobs_and_attempts(db)
+    assert (jobs[0].state, by_job[c.job_id][0].state) == ("queued", "failed")
+    assert "a1.sheet.png" in by_job[c.job_id][0].error or "IsADirectoryError" in by_job[c.job_id][0].error
+    assert sorted(p.name for p in folder.iterdir()) == ["a1.sheet.png"]  # only what was in the way

@@ -244,7 +244,7 @@ def _owner_dead(owner: str | None) -> bool:
     exists, or whose pid now belongs to a process started at another time."""
     if not owner or ":" not in owner:
         return False
-    host, _, rest = owner.rpartition(":")
+    host, _, rest = owner.partition("/")[0].rpartition(":")  # "/..." names a thread of the process
     pid, _, start = rest.partition(".")
     if host != socket.gethostname() or not pid.isdigit():
         return False
@@ -296,6 +296,24 @@ def reclaim(db: Database, batch_id: str | None = None) -> list[int]:
             except MoveConflict:
                 pass
     return moved
+
+
+POST_LEASE_S = 600  # a post stage (interpolate, encode, QC, store) takes seconds; a lease past this is lost
+
+
+def claim_post(db: Database, job_id: int, worker: str, lease_s: float = POST_LEASE_S) -> bool:
+    """Take the post-processing lease of a job waiting in ``post``: True when this worker now
+    holds it (nobody held it, its holder's lease expired or its process is gone, or it was this
+    worker's already), False when another live worker holds it or the job moved on. One post
+    worker at a time stores an attempt's files, so they are the ones its verdict was read from."""
+    with db.session() as s, s.begin():
+        job = s.execute(_for_update(select(Job).where(Job.id == job_id), s, skip_locked=False)).scalar_one_or_none()
+        if job is None or job.state != JobState.POST.value:
+            return False
+        if job.lease_owner not in (None, worker) and not lease_lost(job.lease_expires_at, job.lease_owner):
+            return False
+        job.lease_owner, job.lease_expires_at = worker, now() + timedelta(seconds=lease_s)
+    return True
 
 
 def pending_post(db: Database, batch_id: str | None = None) -> list[int]:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 import traceback
 from datetime import datetime, timezone
@@ -27,7 +28,7 @@ from clipmill.jobs.core.logs import ids
 from clipmill.jobs.core.models import Attempt, Batch, Job, attempt_key, attempt_keys
 from clipmill.jobs.core.operations import release
 from clipmill.jobs.core.preflight import SetupProblem
-from clipmill.jobs.core.queue import attempts_left
+from clipmill.jobs.core.queue import attempts_left, claim_post, worker_name
 from clipmill.jobs.core.settings import Settings
 from clipmill.jobs.runner.checks import VERDICT_KINDS, clip_decode_check, with_render_check
 from clipmill.jobs.runner.draws import DEFAULT_DRAWS, check_draws, render_drawing
@@ -193,7 +194,8 @@ def render_group(
                 # the seed the kept draw was rendered from (the attempt's own unless it was drawn again)
                 move_attempt(s, a.id, AttemptState.RENDERING, AttemptState.RENDERED, raw_key=raw_key, timings=timings,
                              seed=d.seed)
-                move_job(s, j.id, JobState.RENDERING, JobState.POST)
+                # the render lease ends here; the post stage takes its own (claim_post)
+                move_job(s, j.id, JobState.RENDERING, JobState.POST, lease_owner=None, lease_expires_at=None)
         except MoveConflict:
             # the lease was taken back (or the job cancelled) while we rendered: drop our frames
             log.warning("the job moved while rendering; result dropped", extra=ids(j, a))
@@ -295,6 +297,17 @@ def _drop(ctx: WorkerContext, job: Job, attempt: Attempt, out: str) -> None:
         return
     log.warning("the job was %s during post-processing; the attempt's files are deleted",
                 _job_state(ctx.db, job.id), extra=ids(job, attempt))
+    _delete_files(ctx, job, attempt, out)
+    try:
+        with ctx.db.session() as s, s.begin():
+            move_attempt(s, attempt.id, AttemptState.RENDERED, AttemptState.FAILED, finished_at=now(), raw_key=None,
+                         error=f"dropped: the job was {_job_state(ctx.db, job.id)} during post-processing")
+    except MoveConflict:
+        pass  # already closed (by `clipmill cancel`)
+
+
+def _delete_files(ctx: WorkerContext, job: Job, attempt: Attempt, out: str) -> None:
+    """Delete every file the attempt may have written (raw frames included), best effort."""
     try:
         storage = ctx.storage(out)
         for key in attempt_keys(job, attempt):
@@ -302,12 +315,6 @@ def _drop(ctx: WorkerContext, job: Job, attempt: Attempt, out: str) -> None:
     except Exception as e:  # noqa: BLE001 - the attempt is closed either way; say what may be left
         log.warning("deleting the attempt's files in %s failed (%s: %s); delete %s by hand", out,
                     e.__class__.__name__, e, ", ".join(attempt_keys(job, attempt)), extra=ids(job, attempt))
-    try:
-        with ctx.db.session() as s, s.begin():
-            move_attempt(s, attempt.id, AttemptState.RENDERED, AttemptState.FAILED, finished_at=now(), raw_key=None,
-                         error=f"dropped: the job was {_job_state(ctx.db, job.id)} during post-processing")
-    except MoveConflict:
-        pass  # already closed (by `clipmill cancel`)
 
 
 def _job_state(db: Database, job_id: int) -> str:
@@ -330,6 +337,11 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         batch = s.get(Batch, job.batch_id)
     if job.state != JobState.POST.value:  # cancelled after rendering: nothing to deliver
         _drop(ctx, job, a, batch.out)
+        return None
+    if not claim_post(ctx.db, job.id, f"{worker_name()}/{threading.get_ident()}"):  # a post worker runs threads
+        # a second message for an attempt another live worker is post-processing: its encode is
+        # not bit-identical, so two posts would store files that need not match the verdict kept
+        log.info("another worker is post-processing this attempt; nothing to do", extra=ids(job, a))
         return None
     try:
         storage = ctx.storage(batch.out)
@@ -370,6 +382,7 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
         err = traceback.format_exc()
         log.error("post-processing failed: %s", err.splitlines()[-1], extra=ids(job, a))
         _fail(ctx.db, attempt_id, err)
+        _delete_files(ctx, job, a, batch.out)  # a failed attempt keeps no clip, poster or raw frames
         return None
 
     passed = result.verdict == "pass"
@@ -395,7 +408,11 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
     except MoveConflict:
         _drop(ctx, job, a, batch.out)
         return None
-    storage.delete(a.raw_key)
+    try:
+        storage.delete(a.raw_key)
+    except Exception as e:  # noqa: BLE001 - the verdict stands; say what is left behind
+        log.warning("deleting the raw frames %s in %s failed (%s: %s); delete them by hand", a.raw_key, batch.out,
+                    e.__class__.__name__, e, extra=ids(job, a))
     log.info("%s%s: %s", result.verdict, " (retry queued)" if retry else "", "; ".join(result.reasons) or "clean",
              extra=ids(job, a))
     return result.verdict
