@@ -99,6 +99,9 @@ def test_the_example_template_loads_with_its_formats_shots_and_placeholders():
      "shots[0].seconds = nan: allowed: a number from 0.25 to 30"),
     ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[music]\nfile = 'm.wav'\nvolume = nan\n",
      "music.volume = nan: allowed: a number from 0 to 2"),
+    # a file labelled below its frame size: 720p is over level 3.0's 1620 macroblocks
+    ("[[formats]]\nsize = [1280, 720]\n[formats.delivery]\nlevel = '3.0'\n",
+     "formats[0].delivery.level = '3.0': 1280x720 is over H.264 level 3.0's frame size; allowed: 3.1 or above"),
     # the name is the ad's file name: '9/16' made every ad fail after its shots had rendered
     ("[[formats]]\nname = '9/16'\nsize = [720, 720]\n",
      "formats[0].name = '9/16': allowed: 1-32 letters, digits, '.', '_' or '-', starting with a letter or digit"),

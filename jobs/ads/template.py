@@ -12,6 +12,7 @@ against it. Nothing here renders.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import string
@@ -27,6 +28,9 @@ from clipmill.pipeline.overlay import ANCHORS, parse_colour
 
 MIN_FPS, MAX_FPS = 8, 60
 LEVELS = ("3.0", "3.1", "3.2", "4.0", "4.1", "4.2", "5.0", "5.1")
+# H.264's largest frame per level, in 16x16 macroblocks (ITU-T H.264 Table A-1, MaxFS)
+LEVEL_MAX_BLOCKS = {"3.0": 1620, "3.1": 3600, "3.2": 5120, "4.0": 8192, "4.1": 8192, "4.2": 8704, "5.0": 22080,
+                    "5.1": 36864}
 TRANSITIONS = ("cut", "crossfade")
 MAX_SHOT_SECONDS = 30.0
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*$", re.I)
@@ -308,9 +312,18 @@ def _format(r: _Reader, i: int) -> Format:
     name = r.text("name", f"format{i + 1}")
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,31}", name):  # it names the ad's files: BATCH/ROW/NAME.mp4
         raise r.err("name", name, "allowed: 1-32 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    delivery = _delivery(r.child("delivery", d or {}))
+    blocks = -(-size[0] // 16) * -(-size[1] // 16)
+    if blocks > LEVEL_MAX_BLOCKS[delivery.level]:  # players may refuse a file labelled below its frame size
+        fits = next((lv for lv in LEVELS if LEVEL_MAX_BLOCKS[lv] >= blocks), None)
+        if fits is not None and "level" not in (d or {}):  # the default, 4.0: the lowest level above it that fits
+            delivery = dataclasses.replace(delivery, level=fits)
+        else:
+            raise r.err("delivery.level", delivery.level, f"{size[0]}x{size[1]} is over H.264 level {delivery.level}'s "
+                                                          f"frame size; allowed: {fits or 'none (too large)'} or above")
     return Format(name=name, width=size[0], height=size[1],
                   method=r.text("method", "render", METHODS), pad_colour=r.colour("pad_colour", "#000000"),
-                  delivery=_delivery(r.child("delivery", d or {})))
+                  delivery=delivery)
 
 
 def _text(r: _Reader, i: int, length: float, default_font: str | None) -> TextSpec:
