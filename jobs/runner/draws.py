@@ -99,7 +99,13 @@ def render_drawing(
         if not todo:
             break
         again = [replace(requests[i], seed=draw_seed(requests[i].seed, d)) for i in todo]
-        for i, req, res in zip(todo, again, renderer.render(again, settings, callback)):
+        try:
+            results = renderer.render(again, settings, callback)
+        except Exception as e:  # noqa: BLE001 - every clip has a draw already: keep those, draw no more
+            log.warning("draws: drawing %s clip(s) again failed (%s: %s); the draws so far are kept", len(again),
+                        e.__class__.__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+            break
+        for i, req, res in zip(todo, again, results):
             k = kept[i]
             k.draws += 1
             k.render_s += res.timings.get("render_s", 0.0)
