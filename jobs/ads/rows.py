@@ -202,8 +202,10 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
         return None, errs
 
     # the texts drawn on the ad keep the row's own characters: the prompt cleaning (full-width
-    # punctuation folded, "™" to "TM", joiners and direction marks dropped) is for prompts only
-    texts, files, text_px, layout_errs = layout(tpl, {k: shown_text(v) for k, v in rec.items()}, path, line)
+    # punctuation folded, "™" to "TM", joiners and direction marks dropped) is for prompts only;
+    # the ad keeps these values, and its assembly draws them
+    shown = {k: shown_text(v) for k, v in rec.items()}
+    texts, files, text_px, layout_errs = layout(tpl, shown, path, line)
     errs += layout_errs
 
     base_seed = seed if seed is not None else derive_seed("\n".join(fill(s.prompt, values) for s in tpl.shots), line)
@@ -225,7 +227,7 @@ def check_row(tpl: AdTemplate, checker: RowChecker, path: str, line: int, rec: d
             shots.append(Shot(i, row, spec.seconds, spec.transition, spec.crossfade, dict(sizes)))
     if errs:
         return None, errs
-    return AdRow(line, client_id, values, base_seed, shots, texts, files, text_px), []
+    return AdRow(line, client_id, shown, base_seed, shots, texts, files, text_px), []
 
 
 def shown_text(value) -> str:
