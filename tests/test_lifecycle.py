@@ -117,18 +117,21 @@ def test_a_job_cancelled_during_post_processing_keeps_no_files(pg_url, tmp_path)
     cancelled; its final move then finds the job cancelled. It deletes every file of the attempt
     (raw frames included) and closes the attempt, instead of leaving them behind.
 
-    Deterministic: the canceller holds the job row (SELECT FOR UPDATE) from before
-    post-processing starts, so the post stage cannot record its verdict before the cancel
-    commits. PostgreSQL only: SQLite takes its one write lock for every transaction, reads
-    included, so a canceller holding it would stop the post stage before it starts, not at its
-    end; the stage's code is the same on both."""
+    Deterministic: the post stage's lease is taken first (as "post-1"), then the canceller holds
+    the job row (SELECT FOR UPDATE) from before post-processing starts, so the post stage cannot
+    record its verdict before the cancel commits. PostgreSQL only: SQLite takes its one write
+    lock for every transaction, reads included, so a canceller holding it would stop the post
+    stage before it starts, not at its end; the stage's code is the same on both."""
+    from clipmill.jobs.core.queue import claim_post
+
     db = Database(pg_url)
     ctx = WorkerContext(db)
     jid, attempt_id, folder = rendered_job(db, tmp_path, ctx)
     verdict: list = []
+    assert claim_post(db, jid, "post-1") == "claimed"
     with db.session() as s, s.begin():
         s.execute(select(Job.id).where(Job.id == jid).with_for_update())
-        post = threading.Thread(target=lambda: verdict.append(post_attempt(ctx, attempt_id)))
+        post = threading.Thread(target=lambda: verdict.append(post_attempt(ctx, attempt_id, owner="post-1")))
         post.start()
         wait_until("the sidecar written", lambda: (folder / "a1.json").exists(), timeout=120)
         assert post.is_alive()  # waiting for the row
@@ -470,12 +473,13 @@ def test_a_post_message_for_an_attempt_another_worker_is_checking_does_nothing(d
     assert render_group(ctx, [c.attempt_id]) == [c.attempt_id]
     jobs, _ = jobs_and_attempts(db)
     assert (jobs[0].state, jobs[0].lease_owner) == ("post", None)  # the render lease ends with the render
-    assert claim_post(db, c.job_id, "otherhost.invalid:7")  # a live worker elsewhere is checking it
+    assert claim_post(db, c.job_id, "otherhost.invalid:7") == "claimed"  # a live worker elsewhere is checking it
     assert post_attempt(ctx, c.attempt_id) is None
     jobs, by_job = jobs_and_attempts(db)
     assert (jobs[0].state, by_job[c.job_id][0].state) == ("post", "rendered")
     assert not (tmp_path / "out" / "b" / str(c.job_id) / "a1.mp4").exists()
-    assert claim_post(db, c.job_id, "otherhost.invalid:7", lease_s=-1)  # ... and then its lease ran out
+    with db.session() as s, s.begin():  # ... and then its lease ran out (a worker that died elsewhere)
+        s.get(Job, c.job_id).lease_expires_at = datetime(2000, 1, 1, tzinfo=timezone.utc)
     assert post_attempt(ctx, c.attempt_id) in ("pass", "reject")
     jobs, _ = jobs_and_attempts(db)
     assert jobs[0].state in ("passed", "rejected", "queued") and jobs[0].lease_owner is None

@@ -202,7 +202,7 @@ def split_free_prompt(text: str) -> Elements:
     rest = re.sub(rf"\b(a|an|the)\s*{_CUT}\s*of\s+", _CUT, rest, flags=re.IGNORECASE).replace(_CUT, ",")
     clauses = [c.strip(" .;:-") for c in re.split(r"[,;]", rest)]
     clauses = [re.sub(r"\s+(with|and|a|an|the)$", "", c, flags=re.IGNORECASE).strip() for c in clauses]
-    clauses = [c for c in clauses if c and c.lower() not in ("a", "an", "the")]
+    clauses = [c for c in clauses if c]
     scene = [c for c in clauses if _SCENE_RE.match(c)]
     subject = [c for c in clauses if c not in scene]
     return Elements(subject=", ".join(subject), scene=", ".join(scene), camera=", ".join(cameras))

@@ -301,19 +301,26 @@ def reclaim(db: Database, batch_id: str | None = None) -> list[int]:
 POST_LEASE_S = 600  # a post stage (interpolate, encode, QC, store) takes seconds; a lease past this is lost
 
 
-def claim_post(db: Database, job_id: int, worker: str, lease_s: float = POST_LEASE_S) -> bool:
-    """Take the post-processing lease of a job waiting in ``post``: True when this worker now
-    holds it (nobody held it, its holder's lease expired or its process is gone, or it was this
-    worker's already), False when another live worker holds it or the job moved on. One post
-    worker at a time stores an attempt's files, so they are the ones its verdict was read from."""
+def claim_post(db: Database, job_id: int, worker: str, lease_s: float = POST_LEASE_S) -> str:
+    """Take the post-processing lease of a job waiting in ``post``. Returns "claimed" when this
+    worker holds it now (nobody held it, its holder's lease expired or its process is gone, or
+    it is this worker's already: then nothing is written), "busy" when another live worker holds
+    it, "moved" when the job is no longer in ``post`` (cancelled, say). One post worker at a time
+    stores an attempt's files, so they are the ones its verdict was read from."""
+    with db.session() as s:
+        row = s.execute(select(Job.state, Job.lease_owner, Job.lease_expires_at).where(Job.id == job_id)).one_or_none()
+    if row is None or row.state != JobState.POST.value:
+        return "moved"
+    if row.lease_owner == worker and not lease_lost(row.lease_expires_at, row.lease_owner):
+        return "claimed"
     with db.session() as s, s.begin():
         job = s.execute(_for_update(select(Job).where(Job.id == job_id), s, skip_locked=False)).scalar_one_or_none()
         if job is None or job.state != JobState.POST.value:
-            return False
+            return "moved"
         if job.lease_owner not in (None, worker) and not lease_lost(job.lease_expires_at, job.lease_owner):
-            return False
+            return "busy"
         job.lease_owner, job.lease_expires_at = worker, now() + timedelta(seconds=lease_s)
-    return True
+    return "claimed"
 
 
 def pending_post(db: Database, batch_id: str | None = None) -> list[int]:

@@ -322,8 +322,9 @@ def _job_state(db: Database, job_id: int) -> str:
         return s.scalar(select(Job.state).where(Job.id == job_id)) or "deleted"
 
 
-def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
-    """Frame-rate conversion, H.264 encoding, QC and storage for one rendered attempt.
+def post_attempt(ctx: WorkerContext, attempt_id: int, owner: str | None = None) -> str | None:
+    """Frame-rate conversion, H.264 encoding, QC and storage for one rendered attempt, under the
+    job's post lease held as ``owner`` (default: this process and thread).
 
     Returns the verdict ('pass' / 'reject'), or None if there was nothing to do or it failed.
     A job cancelled before or during post-processing keeps no files of this attempt: its raw
@@ -338,7 +339,11 @@ def post_attempt(ctx: WorkerContext, attempt_id: int) -> str | None:
     if job.state != JobState.POST.value:  # cancelled after rendering: nothing to deliver
         _drop(ctx, job, a, batch.out)
         return None
-    if not claim_post(ctx.db, job.id, f"{worker_name()}/{threading.get_ident()}"):  # a post worker runs threads
+    claim = claim_post(ctx.db, job.id, owner or f"{worker_name()}/{threading.get_ident()}")  # post workers run threads
+    if claim == "moved":  # cancelled since: nothing to deliver
+        _drop(ctx, job, a, batch.out)
+        return None
+    if claim == "busy":
         # a second message for an attempt another live worker is post-processing: its encode is
         # not bit-identical, so two posts would store files that need not match the verdict kept
         log.info("another worker is post-processing this attempt; nothing to do", extra=ids(job, a))
