@@ -8,6 +8,7 @@ the jobs queued with their attempts unspent. Real SQLite / PostgreSQL, real file
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import threading
@@ -96,6 +97,13 @@ BAD_INPUT = [
     (("train-model", "--seed", "-1"), "Error: Invalid value for '--seed': -1 is not in the range 0<=x<=4294967295."),
     (("train-model", "--stages", ""),
      "Error: Invalid value for --stages: '' names no stage; give one or more of vae, text, teacher, student, decoder"),
+    (("cancel", "99999999999999999999999"), "Error: '99999999999999999999999': no batch or job of that name or id"),
+    (("cancel", "²"), "Error: '²': no batch or job of that name or id"),  # Unicode digits are no job id
+    (("status", "good", "--limit", "99999999999999"),
+     "Error: Invalid value for '--limit': 99999999999999 is not in the range 0<=x<=1000000000."),
+    (("submit", "good.csv", "--batch", "18"), "Error: --batch '18': not a valid name; allowed: 1-80 letters, digits, "
+     "'.', '_' or '-', starting with a letter or digit, not digits alone (they name a job)"),
+    (("submit", "good.csv", "--batch", "nl\n"), "Error: --batch 'nl\\n': not a valid name"),
     (("bench", "--model", "tiny", "--frames", "0"),  # was the model's default frame count
      "Error: Invalid value for --frames: 0: the animatediff model takes an integer from 8 to 32 frames"),
 ]
@@ -386,3 +394,35 @@ def test_exit_codes_are_in_the_main_help():
     for line in ("0  done: every job passed or was rejected by QC", "1  a job failed, an ad could not be assembled, or export found nothing approved",
                  "2  usage or bad input: nothing was done, the job table is unchanged"):
         assert line in res.output
+
+
+@pytest.mark.parametrize("url, code, message", [
+    ("foo", 2, "Error: CLIPMILL_DATABASE_URL 'foo': not a database URL (Could not parse SQLAlchemy URL"),
+    ("sqlite:////nonexistent-dir/x.db", 3,
+     "Error: the job table at sqlite:////nonexistent-dir/x.db cannot be opened: unable to open database file"),
+])
+def test_a_job_table_that_cannot_be_opened_is_one_line(tmp_path, monkeypatch, url, code, message):
+    """Every command that opens the job table ended in SQLAlchemy's traceback (exit 1)."""
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", url)
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["status"])
+    assert res.exit_code == code and res.output.startswith(message), res.output
+
+
+def test_a_broker_url_that_does_not_parse_is_refused_before_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLIPMILL_BROKER_URL", "redis://x:y@[::1")
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(main, ["reconcile"])
+    assert res.exit_code == 2
+    assert res.output.startswith("Error: CLIPMILL_BROKER_URL='redis://x:***@[::1': not a URL (Invalid IPv6 URL)")
+
+
+def test_status_watch_with_json_prints_json(cli, db, tmp_path):
+    assert cli("submit", "good.csv", "--batch", "w").exit_code == 0
+    with db.session() as s, s.begin():
+        for j in s.scalars(select(Job).where(Job.batch_id == "w")):
+            j.state = "cancelled"  # nothing open: one report, then it ends
+    res = cli("status", "w", "--watch", "1", "--json")
+    assert res.exit_code == 0
+    (line,) = res.output.splitlines()
+    assert json.loads(line)["progress"]["open"] == 0

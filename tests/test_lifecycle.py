@@ -172,6 +172,24 @@ def test_cancel_cleans_the_files_of_rendered_and_rendering_attempts(db, tmp_path
     assert [a.state for a in by_job[res.job_ids[0]]] == ["failed"]
 
 
+def test_cancel_deletes_the_files_of_the_jobs_earlier_attempts_too(db, tmp_path):
+    """A job waiting for its QC retry holds its first attempt's clip, poster, sidecar and sheet
+    (that attempt is closed, rejected): cancel deleted only the files of open attempts."""
+    from clipmill.jobs.core.operations import cancel
+
+    res = make_batch(db, tmp_path, rows=1, max_attempts=2)
+    ctx = WorkerContext(db, qc_config=REJECT_ALL)
+    (c,) = claim_group(db, "w:1", "b", size=1)
+    render_group(ctx, [c.attempt_id])
+    assert post_attempt(ctx, c.attempt_id) == "reject"
+    folder = tmp_path / "out" / "b" / str(res.job_ids[0])
+    jobs, _ = jobs_and_attempts(db)
+    assert jobs[0].state == "queued" and sorted(p.name for p in folder.iterdir()) == [
+        "a1.jpg", "a1.json", "a1.mp4", "a1.sheet.png"]
+    assert cancel(db, "b") == res.job_ids
+    assert list(folder.iterdir()) == []
+
+
 # -- heartbeats ------------------------------------------------------------------------------------
 
 class Steps:

@@ -423,7 +423,7 @@ def submit_cmd(file, ad_template, opts):
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--watch", type=FiniteRange(0.5, 3600), default=None, metavar="SECONDS",
               help="With BATCH: print progress and ETA every SECONDS until no job is open.")
-@click.option("--limit", type=click.IntRange(0), default=200, show_default=True,
+@click.option("--limit", type=click.IntRange(0, 10**9), default=200, show_default=True,
               help="With BATCH: jobs in the table (0: all); --json always lists every job.")
 def status(batch, as_json, watch, limit):
     """Show batches, or one BATCH's jobs with their attempts, verdicts and files, its progress
@@ -450,9 +450,12 @@ def status(batch, as_json, watch, limit):
                 raise BadInput(str(e))
             p = st["progress"]
             s = st["states"]
-            out.print(f"{batch}: {p['done']}/{st['jobs']} done (passed {s['passed']}, rejected {s['rejected']}, "
-                      f"failed {s['failed']}), {p['open']} open, elapsed {duration(p['elapsed_s'])}, "
-                      f"ETA {duration(p['eta_s'])}", soft_wrap=True)
+            if as_json:  # one JSON object a line, as often as --watch says
+                click.echo(json.dumps(st, default=str, ensure_ascii=False))
+            else:
+                out.print(f"{batch}: {p['done']}/{st['jobs']} done (passed {s['passed']}, rejected {s['rejected']}, "
+                          f"failed {s['failed']}), {p['open']} open, elapsed {duration(p['elapsed_s'])}, "
+                          f"ETA {duration(p['eta_s'])}", soft_wrap=True)
             if not p["open"]:
                 return
             time.sleep(watch)

@@ -108,9 +108,21 @@ def settings():
 
 
 def open_db():
+    """The job table, migrated; a URL that is not one is bad input (exit 2), a database that
+    cannot be opened or reached a setup problem (exit 3), each one line naming it."""
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
     from clipmill.jobs.core.db import Database
 
-    return Database(settings().database_url)
+    url = settings().database_url
+    try:
+        return Database(url)
+    except ArgumentError as e:
+        raise BadInput(f"CLIPMILL_DATABASE_URL {redact_url(url)!r}: not a database URL ({e}); "
+                       "expected e.g. sqlite:///clipmill.db or postgresql+psycopg://user@host/db")
+    except (SQLAlchemyError, OSError) as e:
+        why = str(getattr(e, "orig", None) or e).strip().splitlines()
+        raise SetupError(f"the job table at {redact_url(url)} cannot be opened: {why[0] if why else e.__class__.__name__}")
 
 
 def warn(message: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from datetime import datetime, timezone
 
 from sqlalchemy import delete, select
@@ -24,11 +25,16 @@ class TargetError(ValueError):
 
 def resolve(db: Database, target: str) -> list[int]:
     """Job ids of a batch name, or of one job id."""
+    job_id = int(target) if re.fullmatch(r"[0-9]{1,18}", target) else None  # ASCII digits: "١" and "²" are no id
     with db.session() as s:
+        job = s.get(Job, job_id) if job_id is not None else None
         if s.get(Batch, target) is not None:
+            if job is not None:  # a batch named with digits only (allowed before; refused since)
+                raise TargetError(f"{target!r} names both a batch and job {job_id}; act on the job from the review page, "
+                                  "or on the batch's jobs one id at a time")
             return list(s.scalars(select(Job.id).where(Job.batch_id == target).order_by(Job.id)))
-        if target.isdigit() and s.get(Job, int(target)) is not None:
-            return [int(target)]
+        if job is not None:
+            return [job_id]
     raise TargetError(f"{target!r}: no batch or job of that name or id")
 
 
@@ -50,8 +56,9 @@ def _move_each(db: Database, ids: list[int], sources: tuple[JobState, ...], dst:
 def cancel(db: Database, target: str) -> list[int]:
     """Cancel the queued and running jobs of ``target``; returns the ids cancelled.
 
-    Their open attempts are closed as failed ('cancelled') and every file those attempts wrote
-    (raw frames, and whatever post-processing stored) is deleted. A render or post-processing
+    Their open attempts are closed as failed ('cancelled'), and every file the job's attempts
+    wrote (raw frames, and whatever post-processing stored; a job waiting for its QC retry has
+    its first attempt's clip) is deleted. A render or post-processing
     still running finds its job cancelled when it records its result, and deletes what it
     wrote after this (see runner.stages), so a cancelled job keeps no clip, sidecar or frames.
     """
@@ -83,11 +90,11 @@ def _cancel_one(db: Database, jid: int) -> tuple[str, list[str]] | None:
         if JobState(job.state) not in CANCELLABLE:
             return None
         keys = []
-        for a in s.scalars(select(Attempt).where(
-                Attempt.job_id == jid, Attempt.state.in_([st.value for st in OPEN_ATTEMPTS]))).all():
-            move_attempt(s, a.id, AttemptState(a.state), AttemptState.FAILED, raw_key=None,
-                         finished_at=datetime.now(timezone.utc), error="cancelled by an operator")
-            keys += attempt_keys(job, a)
+        for a in s.scalars(select(Attempt).where(Attempt.job_id == jid)).all():
+            if AttemptState(a.state) in OPEN_ATTEMPTS:
+                move_attempt(s, a.id, AttemptState(a.state), AttemptState.FAILED, raw_key=None,
+                             finished_at=datetime.now(timezone.utc), error="cancelled by an operator")
+            keys += attempt_keys(job, a)  # closed attempts too: a job waiting for its QC retry has a1's clip
         move_job(s, jid, JobState(job.state), JobState.CANCELLED, lease_owner=None, lease_expires_at=None)
         return s.get(Batch, job.batch_id).out, keys
 

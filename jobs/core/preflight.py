@@ -28,7 +28,7 @@ MIN_GUIDANCE, MAX_GUIDANCE = 1.0, 30.0
 MIN_ATTEMPTS, MAX_ATTEMPTS = 1, 10
 MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 MIN_GROUP, MAX_GROUP = 1, 16
-BATCH_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
+BATCH_RE = re.compile(r"^(?![0-9]+\Z)[A-Za-z0-9][A-Za-z0-9._-]{0,79}\Z")  # \Z: "$" also matched before a final newline; digits alone would read as a job id
 DEVICE_RE = re.compile(r"(cpu|cuda|mps)(?::(\d+))?")
 
 
@@ -58,7 +58,8 @@ def check_submit_options(opts) -> None:
     if opts.sampler is not None and opts.sampler not in SAMPLERS:
         raise BadOption(f"--sampler {opts.sampler!r}: not known; allowed: {', '.join(SAMPLERS)}")
     if opts.batch is not None and not BATCH_RE.match(opts.batch):
-        raise BadOption(f"--batch {opts.batch!r}: not a valid name; allowed: 1-80 letters, digits, '.', '_' or '-'")
+        raise BadOption(f"--batch {opts.batch!r}: not a valid name; allowed: 1-80 letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit, not digits alone (they name a job)")
     notify = getattr(opts, "notify", None)
     if notify is not None and not re.match(r"^https?://[^\s/]+", notify):
         raise BadOption(f"--notify {notify!r}: not a URL; allowed: http://HOST/... or https://HOST/...")

@@ -26,7 +26,7 @@ ELEMENTS = ("subject", "action", "scene", "camera")
 COLUMNS = ("id", "prompt", *ELEMENTS, "negative_prompt", "seed", "tier", "frames", "fps", "size")
 MAX_SEED = 2**32 - 1
 MIN_FPS, MAX_FPS = 8, 120
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")  # \Z: "$" also matched before a final newline
 MAX_ROW_BYTES = 64 * 1024  # one row (a CSV record, a JSONL or a text line) of a batch file, in UTF-8 bytes
 
 

@@ -37,6 +37,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo
 
 from sqlalchemy.engine import make_url
@@ -68,6 +69,20 @@ def _seconds(name: str, text: str) -> float:
     if value < 0:
         raise SettingsError(f"{name}={text!r}: expected a number of seconds, 0 or more")
     return value
+
+
+def _broker_url(url: str | None) -> str | None:
+    """CLIPMILL_BROKER_URL, if set, a redis:// URL that parses (a bad one raised in kombu, mid-command)."""
+    if not url:
+        return None
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as e:
+        raise SettingsError(f"CLIPMILL_BROKER_URL={redact_url(url)!r}: not a URL ({e}); expected redis://HOST:6379/0")
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise SettingsError(f"CLIPMILL_BROKER_URL={redact_url(url)!r}: expected redis://HOST:6379/0 (or rediss://)")
+    return url
 
 
 def _int(name: str, text: str, lo: int, hi: int) -> int:
@@ -156,7 +171,7 @@ class Settings:
             raise SettingsError(f"CLIPMILL_TIMEZONE={zone!r}: not a time zone name; expected e.g. Europe/Paris or UTC")
         return cls(
             database_url=get("CLIPMILL_DATABASE_URL") or DEFAULT_DATABASE_URL,
-            broker_url=get("CLIPMILL_BROKER_URL"),
+            broker_url=_broker_url(get("CLIPMILL_BROKER_URL")),
             out=get("CLIPMILL_OUT") or "clipmill-out",
             device=get("CLIPMILL_DEVICE"),
             group_size=_int("CLIPMILL_GROUP_SIZE", get("CLIPMILL_GROUP_SIZE") or "4", 1, 16),
