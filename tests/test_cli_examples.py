@@ -237,7 +237,10 @@ def test_help_examples_run_as_written(tmp_path, monkeypatch, redis_url, s3_endpo
                 continue  # no redis-server here: the farm tests skip too
             command = example.replace("redis://queue:6379/0", redis_url)
         serving = next((m for p, m in SERVE.items() if p in example), None)
-        if serving:
+        if " --gpu " in example and not torch.cuda.is_available():  # a GPU worker without its GPU: refused
+            res = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+            assert res.returncode == 3 and "torch sees no CUDA device" in res.stderr, res.stderr
+        elif serving:
             serve_until(command, serving, dict(env, CLIPMILL_DATABASE_URL=db_url), work)
         elif "--device cuda" in example and not torch.cuda.is_available():
             res = subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True, timeout=120)
