@@ -75,7 +75,8 @@ def test_a_farm_render_worker_serves_the_preview_between_groups_through_redis(fa
             assert row.mode == "farm" and row.worker and row.started_at is not None and row.ended_at is None
             assert queued > 0, "the preview waited for the whole batch"
             last = page.evaluate("window.clipmillPreview.last")
-            assert last["worker"] == row.worker and row.worker.endswith(f":{render.pid}"), last  # relayed from it
+            # relayed from it: a worker is named host:pid.start (queue.worker_name)
+            assert last["worker"] == row.worker and row.worker.rpartition(":")[2].split(".")[0] == str(render.pid), last
             red = analyze(_frames(page.evaluate("window.got.slice(-8).map(g => g[1])")))
             assert (red.colour, red.shape) == ("red", "circle"), red.label()
 
