@@ -114,8 +114,9 @@ def test_browser_review_then_export(batch, server):
         # rejected clips on request, with reasons and contact sheet; approving one is an override
         page.goto(server + "/batch/ads?state=rejected")
         assert page.locator(".card").count() == 1
-        sheet = page.locator("#job-3 img.sheet")
-        assert sheet.evaluate("img => img.complete && img.naturalWidth > 0")
+        page.wait_for_function(  # the contact sheet has loaded (on a loaded machine it takes a moment)
+            "(() => { const i = document.querySelector('#job-3 img.sheet'); "
+            "return i !== null && i.complete && i.naturalWidth > 0; })()", timeout=15000)
         browser.close()
 
     assert job_state(db, "r1").state == "approved"

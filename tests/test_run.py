@@ -254,8 +254,11 @@ def test_an_interrupted_run_puts_its_group_back_with_attempts_unspent(sqlite_url
              db_url=sqlite_url, cwd=tmp_path)
     db = Database(sqlite_url)
     env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url)
+    # a shell that starts a job in the background (as CI's may) hands it SIGINT ignored, and
+    # Python then never turns Ctrl-C into KeyboardInterrupt: the run gets the default, as at a terminal
     proc = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "run", "--resume", "b"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         with db.session() as s:
