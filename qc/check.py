@@ -113,10 +113,11 @@ class QCConfig:
             cfg = cls.from_dict({**data, **table}, where)
         else:
             cfg = cls()
+        typed = cls._typed(overrides or {}, "--set", from_text=True)
         try:
-            return dataclasses.replace(cfg, **cls._typed(overrides or {}, "--set", from_text=True))
+            return dataclasses.replace(cfg, **typed)
         except ValueError as e:  # a value outside what a setting allows (__post_init__)
-            raise ValueError(e if str(e).startswith("--set: ") else f"--set: {e}") from None
+            raise ValueError(f"--set: {e}") from None
 
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> QCConfig:
