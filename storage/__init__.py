@@ -8,6 +8,8 @@ from clipmill.storage.local import LocalStorage
 
 def open_storage(url: str) -> Storage:
     """Storage for an ``--out`` or ``--to`` value: a local folder, or ``s3://bucket/prefix``."""
+    if not url.strip():
+        raise StorageError(f"{url!r}: an empty path; give a folder (e.g. ./delivery) or s3://bucket/prefix")
     if url.startswith("s3://"):
         from clipmill.storage.s3 import S3Storage
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,7 +81,9 @@ def test_a_kill_during_assembly_then_a_resume_leaves_one_file_per_ad_and_format(
     csv = tmp_path / "one.csv"
     csv.write_text("id,merchant,price,cta,colour,shape\nlaowang,老王面馆,¥ 29.9,立即下单,green,square\n",
                    encoding="utf-8")
-    args = ("--ad", str(TEMPLATE), "--model", "shapes", "--batch", "one", *QC)
+    folder = tmp_path / "ad"  # a copy of the example: it is taken away before the resume
+    shutil.copytree(TEMPLATE.parent, folder)
+    args = ("--ad", str(folder / TEMPLATE.name), "--model", "shapes", "--batch", "one", *QC)
     # a clean run, for the file a kill must not change
     clean_db, clean_out = f"sqlite:///{tmp_path / 'clean.db'}", tmp_path / "clean"
     _run("run", str(csv), *args, "--out", str(clean_out), db=clean_db, cwd=tmp_path)
@@ -109,6 +112,8 @@ def test_a_kill_during_assembly_then_a_resume_leaves_one_file_per_ad_and_format(
     with database.session() as s:
         assert s.scalars(select(Ad)).one().state == "assembling"  # killed in the middle
 
+    # the resume assembles from the template and files the batch kept at submit, not from their paths
+    shutil.rmtree(folder)
     _run("run", "--resume", "one", *QC, db=db, cwd=tmp_path)
     with database.session() as s:
         ad = s.scalars(select(Ad)).one()

@@ -77,7 +77,7 @@ def test_the_example_template_loads_with_its_formats_shots_and_placeholders():
     ("[[formats]]\nsize = [720, 720]\n[formats.delivery]\nlevel = '6.2'\n",
      "formats[0].delivery.level = '6.2': allowed: 3.0, 3.1, 3.2, 4.0, 4.1, 4.2, 5.0, 5.1"),
     ("[[formats]]\nsize = [720, 720]\n[formats.delivery]\nmax_size = 'huge'\n",
-     "formats[0].delivery.max_size = 'huge': give a size such as '8MB', '500kB' or a number of bytes"),
+     "formats[0].delivery.max_size = 'huge': give a size such as '8MB', '500kB' or a number of bytes, at least 10kB"),
     ("[[formats]]\nsize = [720, 720]\n", "shots is missing; give at least one [[shots]] table with a prompt and seconds"),
     ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\n", "shots[0].seconds is missing; give a number from 0.25 to 30"),
     ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\ntransition = 'crossfade'\n",
@@ -109,6 +109,12 @@ def test_the_example_template_loads_with_its_formats_shots_and_placeholders():
     ("fps = 25\n[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2.5\n",
      "shots[0].seconds = 2.5: allowed: a whole number of frames at the template's 25 fps (a multiple of 0.04 s, "
      "such as 2.48)"),
+    # each was ignored silently: a cut has no crossfade, and a size of 0 read as "no limit"
+    ("[[formats]]\nsize = [720, 720]\n[[shots]]\nprompt = 'x'\nseconds = 2\n[[shots]]\nprompt = 'y'\nseconds = 2\n"
+     "crossfade = 0.5\n",
+     "shots[1].crossfade = 0.5: set only with transition = 'crossfade'; this shot cuts in (transition = 'cut', the default)"),
+    ("[[formats]]\nsize = [720, 720]\n[formats.delivery]\nmax_size = 0\n",
+     "formats[0].delivery.max_size = 0: give a size such as '8MB', '500kB' or a number of bytes, at least 10kB"),
 ])
 def test_a_bad_template_is_refused_naming_the_file_field_value_and_what_is_allowed(tmp_path, body, message):
     p = _write(tmp_path, body)
@@ -383,3 +389,86 @@ def test_an_ads_texts_keep_the_rows_own_characters():
     assert shown_text("好吃，不贵！") == "好吃，不贵！"
     assert shown_text("می\u200cخواهم") == "می\u200cخواهم"
     assert shown_text("two  spaces\tand a bell\x07\nsecond line ") == "two spaces and a bell\nsecond line"
+
+
+def test_a_logo_too_tall_for_its_box_is_refused_per_format(tmp_path, info):
+    from PIL import Image
+
+    Image.new("RGBA", (40, 400), (255, 0, 0, 255)).save(tmp_path / "tall.png")
+    Image.new("RGBA", (400, 40), (255, 0, 0, 255)).save(tmp_path / "wide.png")
+    body = MINIMAL + """
+    [[formats]]
+    name = "wide"
+    size = [512, 256]
+    method = "crop"
+    [logo]
+    file = "{id}.png"
+    width = 0.2
+    """
+    tpl = template.load(_write(tmp_path, body))
+    csv = tmp_path / "ads.csv"
+    csv.write_text("id,colour\ntall,red\nwide,red\n", encoding="utf-8")
+    batch = rows.read_ads(csv, tpl, info, _count)
+    assert [a.client_id for a in batch.ads] == ["wide"]
+    # 0.2 of 256 px is 51 px wide, so 510 px tall; 0.2 of 512 is 102 px wide, so 1020 px tall: the
+    # safe area's default margins (5%) leave 256 - 2 x 13 = 230 px
+    assert [str(p) for p in batch.errors] == [
+        f"{csv}:2: logo: {str(tmp_path / 'tall.png')!r} is 40x400; drawn {w} px wide in format {name} ({size}) it is "
+        f"{h} px tall, taller than the 230 px the safe area and margins leave; lower logo.width in the template, "
+        "or use a wider logo" for name, size, w, h in (("sq", "256x256", 51, 510), ("wide", "512x256", 102, 1020))]
+
+
+def test_an_ad_batch_keeps_its_template_and_files_as_they_were_at_submit(tmp_path, sqlite_url):
+    """Before, a batch kept its template's path alone: an edit after submit changed the ads still
+    to be assembled, and a farm's post workers needed the template, fonts, logos and music at the
+    submitting host's paths. Real SQLite, real local storage."""
+    import os
+    import wave
+
+    from PIL import Image
+
+    from clipmill.jobs.ads.assembly import batch_template
+    from clipmill.jobs.ads.submit import submit_ads
+    from clipmill.jobs.core.batches import SubmitOptions
+    from clipmill.jobs.core.db import Database
+    from clipmill.jobs.core.models import Ad, Batch
+    from clipmill.storage import LocalStorage
+
+    folder = tmp_path / "tpl"
+    (folder / "logos").mkdir(parents=True)
+    Image.new("RGBA", (40, 40), (255, 0, 0, 200)).save(folder / "logos" / "a.png")
+    Image.new("RGBA", (40, 20), (0, 0, 255, 200)).save(folder / "logos" / "b.png")
+    with wave.open(str(folder / "m.wav"), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000)
+        w.writeframes((np.sin(np.arange(4000) * 0.3) * 8000).astype("<i2").tobytes())
+    body = MINIMAL + """
+    [logo]
+    file = "logos/{id}.png"
+    [music]
+    file = "m.wav"
+    """
+    tpl_path = _write(folder, body)
+    before = {n: (folder / n).read_bytes() for n in ("logos/a.png", "logos/b.png", "m.wav")}
+    (tmp_path / "ads.csv").write_text("id,colour\na,red\nb,blue\n", encoding="utf-8")
+    db = Database(sqlite_url)
+    out = tmp_path / "out"
+    submit_ads(db, tmp_path / "ads.csv", tpl_path, SubmitOptions(model="shapes", batch="kept", out=str(out)))
+
+    # after submit the template is edited and its files are gone (another host has none of them)
+    tpl_path.write_text(textwrap.dedent(body).replace("fps = 30", "fps = 25"), encoding="utf-8")
+    for n in before:
+        os.remove(folder / n)
+    with db.session() as s:
+        batch = s.get(Batch, "kept")
+        values = [a.values for a in s.query(Ad).order_by(Ad.id)]
+    assert sorted(batch.ad_assets) == ["logos/a.png", "logos/b.png", "m.wav"]
+    assert all(k.startswith("_assets/") and (out / k).is_file() for k in batch.ad_assets.values())
+    (tmp_path / "work").mkdir()
+    tpl = batch_template(batch, LocalStorage(str(out)), str(tmp_path / "work"))
+    assert tpl.fps == 30 and tpl.path == Path(batch.ad_template)
+    for v in values:
+        _, files, _, errs = rows.layout(tpl, v)
+        assert errs == []
+        assert Path(files["logo"]).read_bytes() == before[f"logos/{v['id']}.png"]
+        assert Path(files["music"]).read_bytes() == before["m.wav"]
+    db.dispose()

@@ -106,3 +106,46 @@ def test_reconcile_with_the_broker_down_and_a_clip_waiting_for_post_is_one_line(
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.startswith(f"Error: broker {url} unreachable: ") and "Traceback" not in proc.stderr
+
+
+def test_reconcile_sends_a_post_message_again_only_once_it_is_stale_and_no_live_worker_holds_the_post(
+        seeded, sqlite_url, broker, tmp_path):
+    """Before, every `reconcile` (beat sends one a minute) sent a post message for every clip
+    waiting for post-processing: a post queue with a backlog filled with repeats of itself."""
+    import os
+    import subprocess
+    import sys
+    from datetime import datetime, timedelta, timezone
+
+    import redis
+
+    db, _, _ = seeded
+    with db.session() as s, s.begin():
+        job = Job(batch_id="b1", line=2, prompt_raw="p", prompt="p", seed=1, tier="fast", frames=8, fps=8, width=64,
+                  height=64, state="post", attempts_made=1)
+        s.add(job)
+        s.flush()
+        s.add(Attempt(job_id=job.id, number=1, state="rendered", tier="fast", steps=6, seed=1, model="tiny",
+                      sampler="lcm", guidance=1.0, raw_key=f"b1/{job.id}/a1.frames.npy"))
+        job_id = job.id
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url, CLIPMILL_BROKER_URL=broker)
+    r = redis.Redis.from_url(broker)
+
+    def reconcile(*args) -> str:
+        proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "reconcile", *args], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    def queued_posts() -> int:
+        return sum(r.llen(k) for k in r.scan_iter("post*") if r.type(k) == b"list")
+
+    assert "post messages sent 1" in reconcile()  # never sent: sent now
+    assert "post messages sent 0" in reconcile()  # sent a moment ago: not again
+    assert queued_posts() == 1
+    assert "post messages sent 1" in reconcile("--stale", "0")  # older than --stale: sent again
+    with db.session() as s, s.begin():  # another worker is post-processing it now
+        s.get(Job, job_id).lease_owner = "elsewhere:4242.1"
+        s.get(Job, job_id).lease_expires_at = datetime.now(timezone.utc) + timedelta(minutes=10)
+    assert "post messages sent 0" in reconcile("--stale", "0")
+    assert queued_posts() == 2

@@ -426,3 +426,28 @@ def test_status_watch_with_json_prints_json(cli, db, tmp_path):
     assert res.exit_code == 0
     (line,) = res.output.splitlines()
     assert json.loads(line)["progress"]["open"] == 0
+
+
+def test_export_to_an_empty_path_is_refused(cli, db, tmp_path):
+    assert cli("submit", "good.csv", "--batch", "e2").exit_code == 0
+    for dest in ("", "  "):
+        res = cli("export", "e2", "--to", dest)
+        assert res.exit_code == 2, res.output
+        assert res.output.strip() == (f"Error: --to {dest!r}: an empty path; give a folder (e.g. ./delivery) "
+                                      "or s3://bucket/prefix")
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("clipmill.db")) == ["good.csv"]
+
+
+def test_a_first_submit_that_fails_leaves_no_empty_job_table(cli, tmp_path, monkeypatch):
+    fresh = tmp_path / "fresh.db"
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", f"sqlite:///{fresh}")
+    write(tmp_path / "bad.csv", 'id,prompt\nr1,"a bowl of ramen"\nr2,""\n')
+    for args in (("submit", "bad.csv"), ("run", "bad.csv", *SMALL, "--model", "tiny"), ("submit", "missing.csv")):
+        res = cli(*args)
+        assert res.exit_code == 2, res.output
+        assert not any(p.name.startswith("fresh.db") for p in tmp_path.iterdir()), (args, list(tmp_path.iterdir()))
+    # a job table that holds batches is never removed by a later bad submit
+    assert cli("submit", "good.csv", "--batch", "kept").exit_code == 0
+    assert cli("submit", "bad.csv").exit_code == 2
+    assert fresh.exists()
+    assert "kept" in cli("status").output

@@ -506,3 +506,38 @@ def test_kill_9_post_worker_during_ad_assembly_ends_with_one_file_per_ad_and_for
     folder = out / "ads" / "ads" / str(ad.id)
     assert sorted(p.name for p in folder.iterdir()) == ["16x9.jpg", "16x9.mp4", "1x1.jpg", "1x1.mp4", "9x16.jpg",
                                                         "9x16.mp4", "ad.json"]
+
+
+def test_a_post_worker_shutting_down_stops_its_nightly_task_and_writes_the_report(farm, broker, tmp_path):
+    """The nightly task holds a post thread until its deadline. Before, a warm shutdown (SIGTERM:
+    `docker stop`, systemd) waited for it, hours, until the stop grace ran out and the worker was
+    killed with no report. Now the task sees the shutdown, writes its report and returns."""
+    import json
+    import signal
+
+    from celery import Celery
+
+    from clipmill.jobs.farm.app import app
+
+    env, start, cli, db = farm
+    out = tmp_path / "out"
+    write_batch(tmp_path, 2)
+    cli("submit", "b.csv", "--batch", "b", "--out", str(out), "--size", "64", "--frames", "8")  # no render worker
+    worker = start("--queues", "post", "--concurrency", "2", extra_env={"CLIPMILL_OUT": str(out)})
+    client = Celery("beat-like", broker=broker)
+    client.conf.update(broker_transport_options=app.conf.broker_transport_options, task_serializer="json")
+    client.send_task("clipmill.nightly", kwargs={"deadline": "+3600", "interval": 1}, queue="post")
+    client.close()
+    log = tmp_path / "worker-0.log"
+    deadline = time.time() + 120
+    while time.time() < deadline and "nightly run until" not in log.read_text():
+        time.sleep(0.2)
+    assert "nightly run until" in log.read_text(), log.read_text()[-3000:]
+    t0 = time.time()
+    worker.send_signal(signal.SIGTERM)
+    worker.wait(timeout=60)
+    assert time.time() - t0 < 30, log.read_text()[-3000:]
+    (report,) = (out / "reports").glob("nightly-*.json")
+    r = json.loads(report.read_text())
+    assert r["stopped"] == "its worker shut down before the deadline" and r["not_finished"] == 2, r
+    assert "Stopped early: its worker shut down before the deadline." in report.with_suffix(".md").read_text()

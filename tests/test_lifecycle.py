@@ -203,6 +203,7 @@ class Steps:
     def group_started(self, size, steps): pass
     def rendered(self, n): pass
     def checked(self, verdict): pass
+    def waiting(self, held): pass
 
     def step(self, done, total):
         if self.waited:
@@ -519,3 +520,58 @@ def test_a_post_that_fails_part_way_keeps_none_of_its_files(db, tmp_path):
     assert (jobs[0].state, by_job[c.job_id][0].state) == ("queued", "failed")
     assert "a1.sheet.png" in by_job[c.job_id][0].error or "IsADirectoryError" in by_job[c.job_id][0].error
     assert sorted(p.name for p in folder.iterdir()) == ["a1.sheet.png"]  # only what was in the way
+
+
+# -- a run beside another worker holding jobs of its batch ------------------------------------------
+
+class Waits:
+    def __init__(self):
+        self.held: list[int] = []
+
+    def group_started(self, size, steps): pass
+    def step(self, done, total): pass
+    def rendered(self, n): pass
+    def checked(self, verdict): pass
+
+    def waiting(self, held):
+        self.held.append(held)
+
+
+@pytest.mark.slow
+def test_a_run_waits_for_the_jobs_another_live_worker_holds_then_ends(db, tmp_path):
+    """Before, a run that found nothing to claim ended (exit 0, the summary saying "still open")
+    while another live worker still rendered jobs of its batch: a script's `run --resume B &&
+    export B` then delivered a partial batch. It now waits until that worker's jobs are done."""
+    make_batch(db, tmp_path, rows=3, max_attempts=1)
+    ctx = WorkerContext(db, qc_config=REJECT_ALL)
+    other = "elsewhere:4242.1"  # a live worker on another host: only its lease's expiry would free its jobs
+    (held,) = claim_group(db, other, "b", size=1, lease_s=300)
+
+    def the_other_worker():
+        time.sleep(1.0)
+        (done,) = render_group(ctx, [held.attempt_id])
+        post_attempt(ctx, done, owner=other)
+
+    t = threading.Thread(target=the_other_worker)
+    t.start()
+    events = Waits()
+    stats = run_batch(ctx, "b", group_size=2, events=events, poll_s=0.1)
+    t.join()
+    jobs, by_job = jobs_and_attempts(db)
+    assert stats.rendered == 2 and stats.reclaimed == []
+    assert events.held and set(events.held) == {1}  # the other worker's job, waited for
+    assert [j.state for j in jobs] == ["rejected"] * 3 and all(len(a) == 1 for a in by_job.values())
+    assert batch_status(db, "b")["states"]["queued"] == 0
+
+
+@pytest.mark.slow
+def test_a_run_waiting_on_a_worker_that_died_takes_its_job_back_when_the_lease_runs_out(db, tmp_path):
+    make_batch(db, tmp_path, rows=2, max_attempts=1)
+    (held,) = claim_group(db, "elsewhere:4242.1", "b", size=1, lease_s=2)  # a remote worker that then died
+    events = Waits()
+    stats = run_batch(WorkerContext(db, qc_config=REJECT_ALL), "b", group_size=2, events=events, poll_s=0.2)
+    jobs, by_job = jobs_and_attempts(db)
+    assert stats.reclaimed == [held.job_id] and stats.rendered == 2 and events.held
+    assert [j.state for j in jobs] == ["rejected"] * 2
+    lost = by_job[held.job_id]
+    assert [a.state for a in lost] == ["failed", "rejected"] and "abandoned: worker elsewhere:4242.1" in lost[0].error

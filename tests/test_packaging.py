@@ -53,6 +53,19 @@ def imports(path: Path, module: str, top_level_only: bool) -> list[tuple[str, in
     return [i for i in out if not (top_level_only and i[2])]
 
 
+# the owner's layout, and beside it only the usual small things
+TOP_LEVEL = {"pyproject.toml", "README.md", "jobs", "pipeline", "qc", "storage", "tests", "deploy",
+             "Makefile", ".ci", "examples", ".gitignore", ".dockerignore"}
+
+
+def test_the_repository_top_level_holds_only_the_owners_layout():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the tracked files cannot be listed")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    top = {line.split("/", 1)[0] for line in tracked.splitlines() if line}
+    assert top - TOP_LEVEL == set(), f"tracked at the top level outside the owner's layout: {sorted(top - TOP_LEVEL)}"
+
+
 def test_pyproject_lists_every_package_under_its_installed_name():
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(conf["packages"])

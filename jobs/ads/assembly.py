@@ -11,6 +11,7 @@ again writes the same keys: one file per ad and format, never two.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 from sqlalchemy import select, update
@@ -127,12 +129,35 @@ def assemble_ad(ctx, ad_id: int, lease_s: float = LEASE_S) -> str | None:
     return state
 
 
+def batch_template(batch: Batch, storage, folder: str) -> template.AdTemplate:
+    """The batch's template as it was at submit, its files read from their copies in storage
+    (written into ``folder``). A batch submitted before templates were kept (no text): the
+    template and files at their paths now."""
+    if batch.ad_template_text is None:
+        return template.load(batch.ad_template)
+    copies = {}
+    os.makedirs(os.path.join(folder, "assets"), exist_ok=True)
+    for name, key in (batch.ad_assets or {}).items():
+        local = os.path.join(folder, "assets", key.rsplit("/", 1)[-1])
+        if not os.path.exists(local):
+            with open(local, "wb") as f:
+                f.write(storage.get_bytes(key))
+        copies[name] = Path(local)
+    return dataclasses.replace(template.loads(batch.ad_template_text, batch.ad_template), copies=copies)
+
+
 def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
-    tpl = template.load(batch.ad_template)
+    storage = ctx.storage(batch.out)
+    with tempfile.TemporaryDirectory(prefix="clipmill-ad-") as tmp:
+        tpl = batch_template(batch, storage, tmp)
+        return _assemble_with(ctx, ad, batch, tpl, storage, tmp)
+
+
+def _assemble_with(ctx, ad: Ad, batch: Batch, tpl: template.AdTemplate, storage, tmp: str
+                   ) -> tuple[str, dict, str | None]:
     texts, files, text_px, errs = rows.layout(tpl, ad.values)
     if errs:
         raise ValueError("; ".join(str(e) for e in errs))
-    storage = ctx.storage(batch.out)
     with ctx.db.session() as s:
         jobs = s.scalars(select(Job).where(Job.ad_id == ad.id).order_by(Job.shot, Job.id)).all()
         passed = {}
@@ -149,38 +174,37 @@ def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
     outputs: dict = {"formats": {}, "shots": []}
     reasons: list[str] = []
     decoded: dict[int, np.ndarray] = {}  # a job's clip serves every format made from it: read it once
-    with tempfile.TemporaryDirectory(prefix="clipmill-ad-") as tmp:
-        for fmt in tpl.formats:
-            footage, used = {}, []
-            for j in jobs:
-                if fmt.name in (j.formats or []):
-                    a = passed[j.id]
-                    if j.id not in decoded:
-                        decoded[j.id] = _footage(storage, j, a, tmp)
-                    footage[j.shot] = decoded[j.id]
-                    used.append({"shot": j.shot, "job": j.id, "attempt": a.number, "seed": a.seed, "tier": a.tier,
-                                 "clip": a.clip_key})
-            dest = os.path.join(tmp, f"{fmt.name}.mp4")
-            t0 = time.perf_counter()
-            built = build.make_format(tpl, ad_row, fmt, footage, dest)
-            key = ad_key(batch.id, ad.id, f"{fmt.name}.mp4")
-            location = storage.put_file(key, dest)
-            storage.put_bytes(ad_key(batch.id, ad.id, f"{fmt.name}.jpg"), poster_jpeg(built.poster[None]))
-            outputs["formats"][fmt.name] = {
-                "file": key, "location": location, "poster": ad_key(batch.id, ad.id, f"{fmt.name}.jpg"),
-                "width": built.width, "height": built.height, "frames": built.frames, "seconds": round(built.seconds, 4),
-                "bytes": built.bytes, "reencoded": built.reencoded, "sha256": sha256_file(dest),
-                "qc": {"verdict": built.qc.verdict, "reasons": built.qc.reasons, "metrics": built.qc.metrics},
-                "shots": used, "timings": {k: round(v, 3) for k, v in built.timings.items()},
-                "assemble_s": round(time.perf_counter() - t0, 3),
-            }
-            reasons += [f"{fmt.name}: {r}" for r in built.qc.reasons]
-        outputs["shots"] = sorted({(u["shot"], u["job"], u["seed"]) for f in outputs["formats"].values() for u in f["shots"]})
-        sidecar = {"batch": batch.id, "ad": ad.id, "id": ad.client_id, "line": ad.line, "values": ad.values,
-                   "template": batch.ad_template, "seconds": tpl.seconds, "fps": tpl.fps, "formats": outputs["formats"],
-                   "created_at": now().isoformat()}
-        storage.put_bytes(ad_key(batch.id, ad.id, "ad.json"),
-                          json.dumps(sidecar, ensure_ascii=False, indent=2).encode())
+    for fmt in tpl.formats:
+        footage, used = {}, []
+        for j in jobs:
+            if fmt.name in (j.formats or []):
+                a = passed[j.id]
+                if j.id not in decoded:
+                    decoded[j.id] = _footage(storage, j, a, tmp)
+                footage[j.shot] = decoded[j.id]
+                used.append({"shot": j.shot, "job": j.id, "attempt": a.number, "seed": a.seed, "tier": a.tier,
+                             "clip": a.clip_key})
+        dest = os.path.join(tmp, f"{fmt.name}.mp4")
+        t0 = time.perf_counter()
+        built = build.make_format(tpl, ad_row, fmt, footage, dest)
+        key = ad_key(batch.id, ad.id, f"{fmt.name}.mp4")
+        location = storage.put_file(key, dest)
+        storage.put_bytes(ad_key(batch.id, ad.id, f"{fmt.name}.jpg"), poster_jpeg(built.poster[None]))
+        outputs["formats"][fmt.name] = {
+            "file": key, "location": location, "poster": ad_key(batch.id, ad.id, f"{fmt.name}.jpg"),
+            "width": built.width, "height": built.height, "frames": built.frames, "seconds": round(built.seconds, 4),
+            "bytes": built.bytes, "reencoded": built.reencoded, "sha256": sha256_file(dest),
+            "qc": {"verdict": built.qc.verdict, "reasons": built.qc.reasons, "metrics": built.qc.metrics},
+            "shots": used, "timings": {k: round(v, 3) for k, v in built.timings.items()},
+            "assemble_s": round(time.perf_counter() - t0, 3),
+        }
+        reasons += [f"{fmt.name}: {r}" for r in built.qc.reasons]
+    outputs["shots"] = sorted({(u["shot"], u["job"], u["seed"]) for f in outputs["formats"].values() for u in f["shots"]})
+    sidecar = {"batch": batch.id, "ad": ad.id, "id": ad.client_id, "line": ad.line, "values": ad.values,
+               "template": batch.ad_template, "seconds": tpl.seconds, "fps": tpl.fps, "formats": outputs["formats"],
+               "created_at": now().isoformat()}
+    storage.put_bytes(ad_key(batch.id, ad.id, "ad.json"),
+                      json.dumps(sidecar, ensure_ascii=False, indent=2).encode())
     outputs["sidecar"] = ad_key(batch.id, ad.id, "ad.json")
     if reasons:
         return "rejected", outputs, "; ".join(reasons)

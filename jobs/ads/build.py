@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 
 from clipmill.pipeline import assemble, audio, i420
-from clipmill.pipeline.overlay import box, load_image, parse_colour, place, render_text, resize_layer
+from clipmill.pipeline.overlay import load_image, parse_colour, place, render_text, resize_layer
 from clipmill.qc import ad as ad_qc
 
-from .rows import AdRow, text_style
+from .rows import AdRow, logo_width, text_style
 from .template import AdTemplate, Format, TextSpec
 
 
@@ -63,8 +63,7 @@ def layers(tpl: AdTemplate, ad: AdRow, fmt: Format) -> tuple[list[assemble.Layer
             out.append(layer)
     if tpl.logo:
         lg = tpl.logo
-        bw, _ = box((fmt.height, fmt.width), lg.margin, tpl.safe_area)
-        rgba = resize_layer(load_image(ad.files["logo"]), max(2, min(round(lg.width * fmt.width), bw)))
+        rgba = resize_layer(load_image(ad.files["logo"]), logo_width(tpl, fmt))
         x, y = place(rgba.shape[:2], (fmt.height, fmt.width), lg.anchor, lg.margin, tpl.safe_area)
         out.append(assemble.Layer(rgba, x, y, lg.start, lg.end, lg.fade, "logo"))
     return out, specs

@@ -138,6 +138,43 @@ def _check_file(path: Path, kind: str) -> str | None:
     return None
 
 
+def logo_width(tpl: AdTemplate, fmt: Format) -> int:
+    """The logo's width in ``fmt``, in pixels: its template width, at most its box's."""
+    bw, _ = box((fmt.height, fmt.width), tpl.logo.margin, tpl.safe_area)
+    return max(2, min(round(tpl.logo.width * fmt.width), bw))
+
+
+def _logo_fits(tpl: AdTemplate, path: Path) -> list[str]:
+    """Why the logo, drawn at its width, would reach past its box in a format (a tall logo
+    scaled by its width runs off the frame), one reason per format."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        w, h = im.size
+    out = []
+    for fmt in tpl.formats:
+        width = logo_width(tpl, fmt)
+        height = max(1, round(h * width / w))
+        _, bh = box((fmt.height, fmt.width), tpl.logo.margin, tpl.safe_area)
+        if height > bh:
+            out.append(f"is {w}x{h}; drawn {width} px wide in format {fmt.name} ({fmt.width}x{fmt.height}) it is "
+                       f"{height} px tall, taller than the {bh} px the safe area and margins leave; lower logo.width "
+                       "in the template, or use a wider logo")
+    return out
+
+
+def file_names(tpl: AdTemplate, values: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(key, name, kind) of each file an ad uses: its key in ``AdRow.files`` ('font:<text>',
+    'logo', 'music'), the name the template gives it with the row's placeholders filled, and
+    its kind ('font', 'logo', 'music')."""
+    wanted = [(f"font:{t.name}", t.font, "font") for t in _all_texts(tpl)]
+    if tpl.logo:
+        wanted.append(("logo", tpl.logo.file, "logo"))
+    if tpl.music:
+        wanted.append(("music", tpl.music.file, "music"))
+    return [(key, fill(template, values), kind) for key, template, kind in wanted]
+
+
 def layout(tpl: AdTemplate, values: dict[str, str], path: str = "", line: int = 0
            ) -> tuple[dict[str, str], dict[str, str], dict[str, dict[str, int]], list[Problem]]:
     """An ad's texts (filled), its files (resolved and checked) and the size each text is drawn
@@ -146,16 +183,14 @@ def layout(tpl: AdTemplate, values: dict[str, str], path: str = "", line: int = 
     P = lambda f, v, m: Problem(path, line, f, v, m)  # noqa: E731
     files: dict[str, str] = {}
     # files first: a text cannot be checked against a font that is not there
-    wanted = [(f"font:{t.name}", t.font, "font") for t in _all_texts(tpl)]
-    if tpl.logo:
-        wanted.append(("logo", tpl.logo.file, "logo"))
-    if tpl.music:
-        wanted.append(("music", tpl.music.file, "music"))
-    for key, template, kind in wanted:
-        p = tpl.resolve(fill(template, values))
+    for key, name, kind in file_names(tpl, values):
+        p = tpl.resolve(name)
         if why := _check_file(p, kind):
             errs.append(P(key.replace("font:", "font of text "), str(p), why))
         files[key] = str(p)
+
+    if tpl.logo and not any(e.field == "logo" for e in errs):
+        errs += [P("logo", files["logo"], why) for why in _logo_fits(tpl, Path(files["logo"]))]
 
     texts: dict[str, str] = {}
     text_px: dict[str, dict[str, int]] = {f.name: {} for f in tpl.formats}

@@ -8,6 +8,8 @@ shape. A job knows its ad, its shot and the formats made from its footage.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from clipmill.jobs.core.preflight import check_model, check_submit_options
 from clipmill.jobs.core.prompts import BatchFile, BatchInvalid
 from clipmill.jobs.core.states import JobState
 from clipmill.pipeline.models import BUILTIN_MODELS
+from clipmill.storage import open_storage
 
 from . import rows, template
 
@@ -46,14 +49,40 @@ def invalid(ads: rows.AdBatch) -> BatchInvalid:
     return BatchInvalid(BatchFile(ads.path, errors=list(ads.errors), warnings=list(ads.warnings)))
 
 
+ASSETS = "_assets"  # the storage root's folder of ad files, by content (a batch name starts with a letter or digit)
+_SUFFIX_RE = re.compile(r"\.[A-Za-z0-9]{1,8}")
+
+
+def store_assets(ads: rows.AdBatch, out: str) -> dict[str, str]:
+    """Copy every font, logo and music file the ads use into the storage root by content
+    (``_assets/SHA256.ext``, written once however many batches use it), so that assembly reads
+    them as they were at submit, on any host: {name as the template gives it, filled: key}."""
+    storage = open_storage(out)
+    keys: dict[str, str] = {}
+    for ad in ads.ads:
+        for _, name, _ in rows.file_names(ads.template, ad.values):
+            if name in keys:
+                continue
+            local = ads.template.resolve(name)
+            data = local.read_bytes()  # what is hashed is what is stored
+            suffix = local.suffix.lower() if _SUFFIX_RE.fullmatch(local.suffix) else ""
+            key = f"{ASSETS}/{hashlib.sha256(data).hexdigest()}{suffix}"
+            if not storage.exists(key):
+                storage.put_bytes(key, data)
+            keys[name] = key
+    return keys
+
+
 def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: SubmitOptions) -> AdSubmitResult:
     """Check everything, then write the batch, its ads and their shot jobs; with any problem,
-    raise ``BatchInvalid`` and write nothing."""
+    raise ``BatchInvalid`` and write nothing. The batch keeps the template's text and a copy of
+    each file its ads use (``store_assets``): assembly reads those, not the files at their paths."""
     ads = check_ads(path, template_path, opts)
     if ads.errors:
         raise invalid(ads)
     notify = opts.notify or ads.template.notify  # --notify, else the template's
     info = check_model(opts.model)
+    assets = store_assets(ads, opts.out)  # before the batch is written: a batch never names a missing copy
     with db.session() as session, session.begin():
         name = _batch_name(session, Path(path), opts.batch)
         session.add(Batch(
@@ -63,6 +92,7 @@ def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: 
             out=str(Path(opts.out).expanduser().resolve()) if "://" not in opts.out else opts.out,
             priority=opts.priority, max_attempts=opts.max_attempts, max_lost=opts.max_lost,
             ad_template=str(Path(template_path).expanduser().resolve()), notify_url=notify,
+            ad_template_text=ads.template.text, ad_assets=assets,
         ))
         session.flush()
         ad_ids, job_rows = [], []

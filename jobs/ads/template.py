@@ -18,7 +18,7 @@ import re
 import string
 from math import gcd
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from clipmill.jobs.core.preflight import BadOption
@@ -33,6 +33,7 @@ LEVEL_MAX_BLOCKS = {"3.0": 1620, "3.1": 3600, "3.2": 5120, "4.0": 8192, "4.1": 8
                     "5.1": 36864}
 TRANSITIONS = ("cut", "crossfade")
 MAX_SHOT_SECONDS = 30.0
+MIN_FILE_BYTES = 10_000  # max_size below this cannot hold an ad at any setting; 0 read as "no limit" before
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*$", re.I)
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([km]?)\s*$", re.I)
 
@@ -124,6 +125,10 @@ class AdTemplate:
     end_card: EndCardSpec | None = None
     music: MusicSpec | None = None
     notify: str | None = None
+    text: str = ""  # the TOML it was read from
+    # files the template names (as written, placeholders filled) -> a local copy to read instead
+    # (assembly's copies of the files a batch stored at submit)
+    copies: dict[str, Path] = field(default_factory=dict, compare=False)
 
     @property
     def footage_seconds(self) -> float:
@@ -154,7 +159,10 @@ class AdTemplate:
         return out
 
     def resolve(self, relative: str) -> Path:
-        """A file path of the template (filled), relative to the template's folder."""
+        """A file path of the template (filled), relative to the template's folder; its local
+        copy where one is given."""
+        if relative in self.copies:
+            return self.copies[relative]
         p = Path(relative).expanduser()
         return p if p.is_absolute() else self.path.parent / p
 
@@ -272,9 +280,10 @@ def _bytes(r: _Reader, key: str) -> int | None:
         return None
     v = r.t[key]
     m = _SIZE_RE.match(str(v)) if isinstance(v, (str, int)) and not isinstance(v, bool) else None
-    if not m:
-        raise r.err(key, v, "give a size such as '8MB', '500kB' or a number of bytes")
-    return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()])
+    n = int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]) if m else 0
+    if n < MIN_FILE_BYTES:
+        raise r.err(key, v, f"give a size such as '8MB', '500kB' or a number of bytes, at least {MIN_FILE_BYTES // 1000}kB")
+    return n
 
 
 def _kbps(r: _Reader, key: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -351,13 +360,22 @@ def load(path: str | Path) -> AdTemplate:
     placeholders), not here."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise TemplateError(f"--ad {path}: no such file") from None
     except IsADirectoryError:
         raise TemplateError(f"--ad {path}: is a folder; give the template's .toml file") from None
     except UnicodeDecodeError:
         raise TemplateError(f"--ad {path}: not valid UTF-8; save the template as UTF-8") from None
+    return loads(text, path)
+
+
+def loads(text: str, path: str | Path) -> AdTemplate:
+    """An ad template from its TOML ``text``; ``path`` names it in errors, and its folder is
+    where the relative file paths it names are found."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise TemplateError(f"--ad {path}: not valid TOML ({e})") from None
     r = _Reader(path, data)
@@ -376,6 +394,9 @@ def load(path: str | Path) -> AdTemplate:
         s.known(("prompt", "negative_prompt", "seconds", "tier", "transition", "crossfade"))
         transition = s.text("transition", "cut", TRANSITIONS)
         seconds = s.num("seconds", None, 0.25, MAX_SHOT_SECONDS, required=True)
+        if transition == "cut" and s.has("crossfade"):
+            raise s.err("crossfade", s.t["crossfade"], "set only with transition = 'crossfade'; this shot cuts in "
+                                                       "(transition = 'cut', the default)")
         crossfade = s.num("crossfade", 0.5, 0.04, seconds / 2) if transition == "crossfade" else 0.0
         if transition == "crossfade" and i == 0:
             raise s.err("transition", transition, "the first shot has no shot before it to fade from; use 'cut'")
@@ -434,4 +455,4 @@ def load(path: str | Path) -> AdTemplate:
         raise r.err("notify", notify, "give an http:// or https:// URL")
     return AdTemplate(path=path, name=r.text("name", path.stem), fps=fps, safe_area=safe_area, formats=formats,
                       shots=tuple(shots),
-                      texts=texts, logo=logo, end_card=end_card, music=music, notify=notify)
+                      texts=texts, logo=logo, end_card=end_card, music=music, notify=notify, text=text)

@@ -43,8 +43,12 @@ def _submit(path: str, opts, farm: bool = False, ad_template: str | None = None)
         with domain_errors():
             res = submit_ads(db, path, ad_template, opts) if ad_template else submit(db, path, opts)
     except BatchInvalid as e:
+        db.remove_if_created_and_empty()
         _report(e.batch)
         raise BadInput(str(e))
+    except BaseException:
+        db.remove_if_created_and_empty()  # a first submit that failed leaves no empty clipmill.db behind
+        raise
     _report(res.ads if ad_template else res.file)
     if farm:
         send_to_farm(db, res.job_ids)
@@ -146,7 +150,8 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
     once; jobs stay queued), 130 when interrupted (Ctrl-C or SIGTERM: the group being rendered
     goes back to queued with its attempts unspent). --resume BATCH keeps the batch's own
     settings: the options that set a batch (--model, --template, --tier, --fps, --out, ...)
-    go with FILE only.
+    go with FILE only. Jobs of the batch that another live worker holds (a second run, a farm
+    worker) are waited for, so the run ends when no job of the batch is open.
 
     \b
     Example:
@@ -268,6 +273,7 @@ class _RunProgress:
         self.tty = err.is_terminal
         self.lock = threading.Lock()
         self.groups = 0
+        self.held = 0
         self.stopped = False
         self.t0 = time.perf_counter()
 
@@ -324,6 +330,16 @@ class _RunProgress:
         with self.lock:
             if self.tty:
                 self._update_jobs()
+
+    def waiting(self, held):
+        with self.lock:
+            if self.tty:
+                self.bar.update(self.steps_t, description="  waiting", note=f"{held} job(s) held by another worker")
+            elif held != self.held:  # one line when the count changes, not one a poll
+                err.print(f"waiting for {held} job(s) of batch {self.batch_id} held by another worker (another run "
+                          "or a farm worker); jobs it gives back are rendered here", soft_wrap=True, markup=False,
+                          highlight=False)
+            self.held = held
 
     def __exit__(self, *exc):
         with self.lock:

@@ -89,11 +89,12 @@ def beat(schedule_file, loglevel):
 
 
 @click.command()
-@click.option("--stale", type=FiniteRange(0), default=600, show_default=True, help="Seconds after which a sent job is sent again.")
+@click.option("--stale", type=FiniteRange(0), default=600, show_default=True, help="Seconds after which a job's render or post message is sent again.")
 def reconcile(stale):
     """Make the broker agree with the job table: take back jobs whose worker lease expired, send
-    again queued jobs that were never sent (broker down at submit) or sent long ago, and rendered
-    clips still waiting for post-processing. Safe to run any time; also run it periodically.
+    again queued jobs that were never sent (broker down at submit) or sent over --stale seconds
+    ago, and rendered clips waiting for post-processing whose post message is as old and whose
+    post no live worker is doing. Safe to run any time; also run it periodically.
 
     \b
     Example:

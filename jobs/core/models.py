@@ -32,6 +32,9 @@ class Batch(Base):
     max_lost: Mapped[int] = mapped_column(Integer, default=3, server_default="3")
     template: Mapped[str | None] = mapped_column(Text, nullable=True)
     ad_template: Mapped[str | None] = mapped_column(Text, nullable=True)  # an ad batch's template file
+    # as it was at submit: its TOML, and {file as the template names it, filled: its copy's storage key}
+    ad_template_text: Mapped[str | None] = mapped_column(Text, nullable=True)
+    ad_assets: Mapped[dict | None] = mapped_column(JSON, nullable=True)
     # the batch-finished callback (core.notify): where to POST, when it was taken, why it failed
     notify_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     notified_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -71,7 +74,7 @@ class Job(Base):
     attempts_lost: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # of those, lost with their worker
     lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
-    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # farm: sent to the broker
+    enqueued_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)  # farm: its stage's message (render, then post) sent at
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # an ad's shot: the ad, the shot's place in it and the formats made from this footage
     ad_id: Mapped[int | None] = mapped_column(ForeignKey("ads.id", ondelete="CASCADE"), nullable=True, index=True)

@@ -177,7 +177,8 @@ def check_storage(url: str, option: str = "--out") -> None:
     except StorageUnavailable as e:
         raise SetupProblem(f"{option} {url}: {e}")
     except StorageError as e:
-        raise BadOption(f"{option} {url}: {str(e).removeprefix(repr(url) + ': ')}")
+        shown = url if url.strip() else repr(url)
+        raise BadOption(f"{option} {shown}: {str(e).removeprefix(repr(url) + ': ')}")
     try:
         storage.check_writable()
     except StorageUnavailable as e:

@@ -12,10 +12,10 @@ from sqlalchemy import or_, select, update
 
 from clipmill.jobs.ads.assembly import readiness
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import Ad, Batch, Job
+from clipmill.jobs.core.models import Ad, Attempt, Batch, Job
 from clipmill.jobs.core.notify import due
-from clipmill.jobs.core.queue import lease_lost, now, pending_post, reclaim
-from clipmill.jobs.core.states import JobState
+from clipmill.jobs.core.queue import lease_lost, now, reclaim
+from clipmill.jobs.core.states import AttemptState, JobState
 from clipmill.jobs.farm.app import app
 
 log = logging.getLogger("clipmill.dispatch")
@@ -51,13 +51,30 @@ def send_render(db: Database, job_ids: list[int]) -> int:
                     for jid in chunk:
                         app.send_task("clipmill.render", (jid,), priority=broker_priority(prio.get(jid, 0)),
                                       queue="render", retry=False, producer=producer)
-                with db.session() as s, s.begin():
-                    s.execute(update(Job).where(Job.id.in_(chunk)).values(enqueued_at=now())
-                              .execution_options(synchronize_session=False))
+                mark_sent(db, chunk)
                 sent += len(chunk)
     except (KombuError, RedisError, OSError) as e:
         raise BrokerDown(str(e) or e.__class__.__name__) from e
     return sent
+
+
+def mark_sent(db: Database, job_ids: list[int]) -> None:
+    """Record that a message for each job's current stage (render, then post) went out now:
+    reconcile sends one again only once ``stale_s`` has passed without the stage taking it."""
+    with db.session() as s, s.begin():
+        s.execute(update(Job).where(Job.id.in_(job_ids)).values(enqueued_at=now())
+                  .execution_options(synchronize_session=False))
+
+
+def posts_due(db: Database, cutoff) -> list[tuple[int, int]]:
+    """(attempt, job) of rendered attempts waiting for post-processing whose post message was
+    never sent or sent before ``cutoff``, and whose post lease no live worker holds."""
+    with db.session() as s:
+        rows = s.execute(select(Attempt.id, Job.id, Job.lease_expires_at, Job.lease_owner).join(Job).where(
+            Attempt.state == AttemptState.RENDERED.value, Job.state == JobState.POST.value,
+            or_(Job.enqueued_at.is_(None), Job.enqueued_at < cutoff),
+        ).order_by(Attempt.id)).all()
+    return [(a, j) for a, j, expires, owner in rows if lease_lost(expires, owner)]
 
 
 def send_post(attempt_id: int) -> None:
@@ -86,8 +103,9 @@ def unnotified(db: Database) -> list[str]:
 
 def reconcile(db: Database, stale_s: float = 600) -> dict:
     """Take back expired leases; send again queued jobs never sent or sent over ``stale_s`` ago,
-    rendered attempts still waiting for post-processing, and ads whose shots are all in but
-    which are not assembled (or whose assembler's lease expired)."""
+    rendered attempts waiting for post-processing whose post message is as old and whose post
+    lease no live worker holds, and ads whose shots are all in but which are not assembled (or
+    whose assembler's lease expired)."""
     taken_back = reclaim(db)
     cutoff = now() - timedelta(seconds=stale_s)
     with db.session() as s:
@@ -97,8 +115,10 @@ def reconcile(db: Database, stale_s: float = 600) -> dict:
     sent = send_render(db, ids) if ids else 0
     posts = assembles = notifies = 0
     try:
-        for attempt_id in pending_post(db):  # a second message for one already in flight does nothing
+        # not one a run for each attempt waiting: a post queue with a backlog would fill with repeats
+        for attempt_id, job_id in posts_due(db, cutoff):
             send_post(attempt_id)
+            mark_sent(db, [job_id])
             posts += 1
         for ad_id in unassembled(db):
             send_assemble(ad_id)

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import re
-import time
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -186,7 +186,8 @@ def report_markdown(r: dict) -> str:
     lines = [
         f"# clipmill nightly report, {r['started'][:10]}",
         "",
-        f"Run {r['started']} to {r['finished']}, deadline {r['deadline']}.",
+        f"Run {r['started']} to {r['finished']}, deadline {r['deadline']}."
+        + (f" Stopped early: {r['stopped']}." if r.get("stopped") else ""),
         "",
         "| clips produced | passed | rejected | failed | not finished | GPU-seconds per passed clip |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -296,10 +297,12 @@ def _file_lock(path: Path):
         os.close(fd)
 
 
-def run_farm(db: Database, sup: Supervisor, interval: float = 30.0) -> None:
-    """Farm mode: until the deadline, or until no job is open, run reconcile and let the
-    scheduler measure and decide every ``interval`` seconds. The workers do the rendering."""
-    while sup.time_left() > 0:
+def run_farm(db: Database, sup: Supervisor, interval: float = 30.0, stop: threading.Event | None = None) -> bool:
+    """Farm mode: until the deadline, until no job is open, or until ``stop`` is set (the worker
+    running it shuts down), run reconcile and let the scheduler measure and decide every
+    ``interval`` seconds. The workers do the rendering. Returns whether ``stop`` ended it."""
+    stop = stop or threading.Event()
+    while sup.time_left() > 0 and not stop.is_set():
         try:
             reconcile(db, stale_s=max(600.0, 4 * interval))
         except BrokerDown as e:
@@ -311,7 +314,8 @@ def run_farm(db: Database, sup: Supervisor, interval: float = 30.0) -> None:
         if not left:
             break
         sup.step(max(1, workers or 0))
-        time.sleep(max(0.0, min(interval, sup.time_left())))
+        stop.wait(max(0.0, min(interval, sup.time_left())))
+    return stop.is_set()
 
 
 def report_name(report: dict) -> str:

@@ -14,8 +14,10 @@ use, so nothing is kept in module globals.
 from __future__ import annotations
 
 import logging
+import threading
 
 from celery import Task
+from celery.signals import worker_shutting_down
 from sqlalchemy import select
 
 from clipmill.jobs.core.models import Ad, Attempt, Job
@@ -23,8 +25,8 @@ from clipmill.jobs.core.queue import Heartbeat, claim_group, worker_name
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.ads.assembly import assemble_ad
 from clipmill.jobs.core.notify import due, notify_once
-from clipmill.jobs.farm.dispatch import (BrokerDown, reconcile as run_reconcile, send_assemble, send_notify, send_post,
-                                         send_render)
+from clipmill.jobs.farm.dispatch import (BrokerDown, mark_sent, reconcile as run_reconcile, send_assemble, send_notify,
+                                         send_post, send_render)
 from clipmill.jobs.farm.preview import client as preview_client, serve as serve_preview
 from clipmill.jobs.farm.nightly import (NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run,
                                         write_report)
@@ -61,6 +63,7 @@ def render(self: WorkerTask, job_id: int) -> list[int]:
         done = render_group(ctx, [c.attempt_id for c in claimed])
     for attempt_id in done:
         send_post(attempt_id)
+    mark_sent(ctx.db, [c.job_id for c in claimed if c.attempt_id in done])  # reconcile resends after stale_s only
     # a render error sends the group's jobs back to queued while they have attempts left: send
     # them again now (not at the next reconcile); out of attempts, they are failed and stay so
     _send_queued_again(ctx.db, [c.job_id for c in claimed if c.attempt_id not in done])
@@ -148,6 +151,17 @@ def reconcile(self: WorkerTask, stale_s: float = 600) -> dict:
 # Acked when it starts, not when it ends: a run of hours must not come back when the broker's
 # visibility timeout expires. If its worker dies, the night goes on without tier changes or a
 # report; `clipmill nightly` can be started by hand.
+# Set when this worker starts a warm shutdown (SIGTERM: `docker stop`, systemd): the nightly
+# task, which would otherwise hold its post thread, and the shutdown, until its deadline hours
+# away, writes its report and returns. The post pool runs on threads, so the flag is seen.
+SHUTTING_DOWN = threading.Event()
+
+
+@worker_shutting_down.connect
+def _shutting_down(**_kwargs) -> None:
+    SHUTTING_DOWN.set()
+
+
 @app.task(name="clipmill.nightly", base=WorkerTask, bind=True, acks_late=False)
 def nightly(self: WorkerTask, deadline: str = "07:00", out: str | None = None, interval: float = 30.0) -> dict:
     """The nightly run started by beat: farm.nightly's supervisor until ``deadline`` (HH:MM in
@@ -160,11 +174,14 @@ def nightly(self: WorkerTask, deadline: str = "07:00", out: str | None = None, i
     try:
         with single_run(db):
             log.info("nightly run until %s", when.isoformat(timespec="minutes"))
-            run_farm(db, sup, interval)
+            stopped = run_farm(db, sup, interval, stop=SHUTTING_DOWN)
     except NightlyRunning as e:
         log.error("%s", e)
         return {"report": [], "refused": str(e)}
     report = sup.report()
+    if stopped:  # the render workers go on with the jobs they hold; the next nightly run continues
+        report["stopped"] = "its worker shut down before the deadline"
+        log.warning("nightly: its worker is shutting down; the run stops here and writes its report")
     paths = write_report(report, open_storage(out or settings.out), report_name(report))
     log.info("nightly report: %s", paths)
     return {"report": paths, **{k: report[k] for k in ("passed", "rejected", "failed", "not_finished")}}

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from clipmill.jobs.core.operations import release
+from clipmill.jobs.core.batches import run_counts
 from clipmill.jobs.core.queue import DEFAULT_LEASE_S, Heartbeat, claim_group, pending_post, reclaim, worker_name
 from clipmill.jobs.runner.stages import WorkerContext, post_attempt, render_group
 
@@ -22,6 +23,7 @@ class Events(Protocol):
     def step(self, done: int, total: int) -> None: ...
     def rendered(self, n: int) -> None: ...
     def checked(self, verdict: str | None) -> None: ...
+    def waiting(self, held: int) -> None: ...
 
 
 @dataclass
@@ -38,6 +40,7 @@ class _Quiet:
     def step(self, done, total): pass
     def rendered(self, n): pass
     def checked(self, verdict): pass
+    def waiting(self, held): pass
 
 
 def run_batch(
@@ -47,11 +50,17 @@ def run_batch(
     events: Events | None = None,
     before_group: Callable[[], bool] | None = None,
     lease_s: float = DEFAULT_LEASE_S,
+    poll_s: float = 2.0,
 ) -> RunStats:
     """Work a batch (every batch if None) until no job of it is queued, rendering or waiting
     for post-processing. ``before_group()`` runs before each claim; returning False stops
     rendering (post-processing of what was rendered still finishes). A group holds leases of
-    ``lease_s`` seconds, renewed every third of that while it renders."""
+    ``lease_s`` seconds, renewed every third of that while it renders.
+
+    With a batch named, jobs of it that another worker holds (a second run, a farm worker) are
+    waited for, polling every ``poll_s`` seconds: their QC retries are claimed here, and what a
+    worker that died leaves behind is taken back once its lease is lost. Every batch (None) is
+    an open set: its run ends when it finds nothing to claim."""
     if not 1 <= group_size <= 16:
         raise ValueError(f"group_size={group_size}: allowed 1 to 16")
     ev = events or _Quiet()
@@ -76,9 +85,19 @@ def run_batch(
             claimed = claim_group(ctx.db, me, batch_id, group_size, lease_s)
             if not claimed:
                 running = [f for f in futures if not f.done()]
-                if not running:
+                if running:
+                    wait(running, return_when=FIRST_COMPLETED)  # a QC reject may queue a retry
+                    continue
+                # nothing to claim and nothing of this run's in flight: what is still open is another worker's
+                if batch_id is None or not (held := run_counts(ctx.db, batch_id)["open"]):
                     break
-                wait(running, return_when=FIRST_COMPLETED)  # a QC reject may queue a retry
+                ev.waiting(held)
+                time.sleep(poll_s)
+                stats.reclaimed += reclaim(ctx.db, batch_id)  # a holder that died: its lease is lost
+                for attempt_id in pending_post(ctx.db, batch_id):
+                    # returns at once while another live worker holds the post lease; a lost one is taken here
+                    if (verdict := post_attempt(ctx, attempt_id)) is not None:
+                        ev.checked(verdict)
                 continue
             stats.groups += 1
             ev.group_started(len(claimed), claimed[0].steps)
