@@ -82,6 +82,18 @@ def test_two_ads_that_would_share_a_folder_are_refused(seeded, tmp_path):
         export_batch(db, "ads1", str(tmp_path / "d"))
 
 
+def waiting_for_post(db) -> int:
+    """A job of b1 rendered and waiting for post-processing; returns its id."""
+    with db.session() as s, s.begin():
+        job = Job(batch_id="b1", line=2, prompt_raw="p", prompt="p", seed=1, tier="fast", frames=8, fps=8, width=64,
+                  height=64, state="post", attempts_made=1)
+        s.add(job)
+        s.flush()
+        s.add(Attempt(job_id=job.id, number=1, state="rendered", tier="fast", steps=6, seed=1, model="tiny",
+                      sampler="lcm", guidance=1.0, raw_key=f"b1/{job.id}/a1.frames.npy"))
+    return job.id
+
+
 def test_reconcile_with_the_broker_down_and_a_clip_waiting_for_post_is_one_line(seeded, sqlite_url, tmp_path):
     """Only the render messages were turned into the broker's one-line error: a clip waiting for
     post-processing made `reconcile` (and the nightly supervisor, which then wrote no report) end
@@ -93,13 +105,7 @@ def test_reconcile_with_the_broker_down_and_a_clip_waiting_for_post_is_one_line(
     from services import free_port
 
     db, _, _ = seeded
-    with db.session() as s, s.begin():
-        job = Job(batch_id="b1", line=2, prompt_raw="p", prompt="p", seed=1, tier="fast", frames=8, fps=8, width=64,
-                  height=64, state="post", attempts_made=1)
-        s.add(job)
-        s.flush()
-        s.add(Attempt(job_id=job.id, number=1, state="rendered", tier="fast", steps=6, seed=1, model="tiny",
-                      sampler="lcm", guidance=1.0, raw_key=f"b1/{job.id}/a1.frames.npy"))
+    waiting_for_post(db)
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url, CLIPMILL_BROKER_URL=url)
     proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "reconcile"], env=env, cwd=tmp_path,
@@ -120,14 +126,7 @@ def test_reconcile_sends_a_post_message_again_only_once_it_is_stale_and_no_live_
     import redis
 
     db, _, _ = seeded
-    with db.session() as s, s.begin():
-        job = Job(batch_id="b1", line=2, prompt_raw="p", prompt="p", seed=1, tier="fast", frames=8, fps=8, width=64,
-                  height=64, state="post", attempts_made=1)
-        s.add(job)
-        s.flush()
-        s.add(Attempt(job_id=job.id, number=1, state="rendered", tier="fast", steps=6, seed=1, model="tiny",
-                      sampler="lcm", guidance=1.0, raw_key=f"b1/{job.id}/a1.frames.npy"))
-        job_id = job.id
+    job_id = waiting_for_post(db)
     env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url, CLIPMILL_BROKER_URL=broker)
     r = redis.Redis.from_url(broker)
 
