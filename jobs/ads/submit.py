@@ -73,11 +73,14 @@ def store_assets(ads: rows.AdBatch, out: str) -> dict[str, str]:
     return keys
 
 
-def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: SubmitOptions) -> AdSubmitResult:
-    """Check everything, then write the batch, its ads and their shot jobs; with any problem,
-    raise ``BatchInvalid`` and write nothing. The batch keeps the template's text and a copy of
-    each file its ads use (``store_assets``): assembly reads those, not the files at their paths."""
-    ads = check_ads(path, template_path, opts)
+def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: SubmitOptions,
+               ads: rows.AdBatch | None = None) -> AdSubmitResult:
+    """Check everything (``check_ads``, unless ``ads`` is its result), then write the batch,
+    its ads and their shot jobs; with any problem, raise ``BatchInvalid`` and write nothing.
+    The batch keeps the template's text and a copy of each file its ads use (``store_assets``):
+    assembly reads those, not the files at their paths."""
+    if ads is None:
+        ads = check_ads(path, template_path, opts)
     if ads.errors:
         raise invalid(ads)
     notify = opts.notify or ads.template.notify  # --notify, else the template's

@@ -34,21 +34,25 @@ def _problems(checked, valid: str) -> None:
 
 def _submit(path: str, opts, farm: bool = False, ad_template: str | None = None):
     """Submit a prompt batch, or with ``ad_template`` an ad batch; in farm mode, send its jobs."""
-    from clipmill.jobs.ads.submit import submit_ads
-    from clipmill.jobs.core.batches import submit
+    from clipmill.jobs.ads.submit import check_ads, invalid, submit_ads
+    from clipmill.jobs.core.batches import check_submission, submit
     from clipmill.jobs.core.prompts import BatchInvalid
 
-    db = open_db()
     try:
+        with domain_errors():  # every check before the job table is opened: bad input creates no clipmill.db
+            if ad_template:
+                ads = check_ads(path, ad_template, opts)
+                if ads.errors:
+                    raise invalid(ads)
+            else:
+                checked = check_submission(path, opts)
+        db = open_db()
         with domain_errors():
-            res = submit_ads(db, path, ad_template, opts) if ad_template else submit(db, path, opts)
+            res = (submit_ads(db, path, ad_template, opts, ads=ads) if ad_template
+                   else submit(db, path, opts, checked=checked))
     except BatchInvalid as e:
-        db.remove_if_created_and_empty()
         _report(e.batch)
         raise BadInput(str(e))
-    except BaseException:
-        db.remove_if_created_and_empty()  # a first submit that failed leaves no empty clipmill.db behind
-        raise
     _report(res.ads if ad_template else res.file)
     if farm:
         send_to_farm(db, res.job_ids)

@@ -86,13 +86,11 @@ def _batch_name(session, path: Path, wanted: str | None) -> str:
     return name
 
 
-def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
-    """Validate the whole file, then write the batch and its jobs in one transaction.
-
-    With errors and no ``skip_invalid``, raises ``BatchInvalid`` and writes nothing; a bad
-    option raises ``BadOption`` (SubmitError), a model folder that does not load
-    ``SetupProblem`` (see core.preflight), both before anything is written.
-    """
+def check_submission(path: str | Path, opts: SubmitOptions) -> tuple[ModelInfo, BatchFile]:
+    """Everything ``submit`` checks before it writes, with no job table needed: the options,
+    the model and the whole file. With errors and no ``skip_invalid``, raises ``BatchInvalid``;
+    a bad option ``BadOption`` (SubmitError), a model folder that does not load
+    ``SetupProblem`` (see core.preflight)."""
     if not 1 <= opts.max_lost <= 10:
         raise SubmitError(f"--max-lost {opts.max_lost}: out of range; allowed: 1 to 10")
     info, batch_file = check_file(path, opts)
@@ -101,6 +99,14 @@ def submit(db: Database, path: str | Path, opts: SubmitOptions) -> SubmitResult:
                           "Euler); leave --sampler out")
     if batch_file.errors and (not opts.skip_invalid or not batch_file.rows):
         raise BatchInvalid(batch_file)
+    return info, batch_file
+
+
+def submit(db: Database, path: str | Path, opts: SubmitOptions,
+           checked: tuple[ModelInfo, BatchFile] | None = None) -> SubmitResult:
+    """Validate the whole file (``check_submission``, unless ``checked`` is its result), then
+    write the batch and its jobs in one transaction; with any problem, nothing is written."""
+    info, batch_file = checked or check_submission(path, opts)
     with db.session() as session, session.begin():
         name = _batch_name(session, Path(path), opts.batch)
         session.add(

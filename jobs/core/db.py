@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from clipmill.jobs.core.settings import Settings
@@ -21,14 +21,6 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 def database_url(url: str | None = None) -> str:
     """``url``, or the settings' CLIPMILL_DATABASE_URL, or SQLite at ./clipmill.db."""
     return url or Settings.from_env().database_url
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The file of a SQLite URL; None for an in-memory database or another dialect."""
-    parsed = make_url(url)
-    if not parsed.drivername.startswith("sqlite") or parsed.database in (None, "", ":memory:"):
-        return None
-    return Path(parsed.database)
 
 
 def make_engine(url: str | None = None) -> Engine:
@@ -76,9 +68,6 @@ class Database:
 
     def __init__(self, url: str | None = None, *, upgrade: bool = True):
         self.url = database_url(url)
-        path = sqlite_path(self.url)
-        # True when this open made the SQLite file: a command that then fails may remove it
-        self.created_file = path is not None and not path.exists()
         self.engine = make_engine(self.url)
         if upgrade:
             migrate(self.engine)
@@ -89,17 +78,3 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
-
-    def remove_if_created_and_empty(self) -> bool:
-        """Delete the SQLite file this open created, while it holds no batch: a command that
-        failed on bad input leaves no empty job table behind. Returns whether it did."""
-        path = sqlite_path(self.url)
-        if not self.created_file or path is None:
-            return False
-        with self.engine.connect() as conn:
-            if conn.execute(text("SELECT count(*) FROM batches")).scalar():
-                return False
-        self.engine.dispose()
-        for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-            p.unlink(missing_ok=True)
-        return True
