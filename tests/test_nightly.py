@@ -156,3 +156,30 @@ def test_supervisor_counts_the_render_time_previews_took(db, tmp_path):
     assert preview_seconds(db, now - timedelta(hours=3), now, 600) == pytest.approx(1200 + 300 + 600, abs=2)
     sup.started = now - timedelta(minutes=10)  # the report counts the previews' time since the run started: b's
     assert sup.report()["preview_seconds"] == pytest.approx(300, abs=5)
+
+
+@pytest.mark.slow
+def test_an_embedded_nightly_run_checks_with_the_qc_config_the_environment_names(sqlite_url, tmp_path):
+    """Before, `nightly` without a broker built its worker with the default thresholds: with
+    CLIPMILL_QC_CONFIG set, every clip was checked against other limits than the farm's."""
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=sqlite_url)
+    env.pop("CLIPMILL_BROKER_URL", None)
+    (tmp_path / "strict.toml").write_text("[qc]\nblack_luma = 255\nblack_spread = 255\n")  # every frame reads black
+    (tmp_path / "n.csv").write_text("prompt\n" + "".join(f'"dish {i}, orbit"\n' for i in range(2)))
+    run(env, tmp_path, "submit", "n.csv", "--batch", "n", "--out", str(tmp_path / "out"), "--size", "64", "--frames", "8",
+        "--max-attempts", "1")
+    bad = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "nightly", "--deadline", "+3600"], cwd=tmp_path,
+                         env=dict(env, CLIPMILL_QC_CONFIG=str(tmp_path / "nope.toml")), capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2, bad.stderr  # it was a traceback: the farm's app read the variable on import
+    assert bad.stderr.strip() == (f"Error: CLIPMILL_QC_CONFIG={str(tmp_path / 'nope.toml')!r}: no such file; expected a "
+                                  "TOML file of QC thresholds")
+    run(dict(env, CLIPMILL_QC_CONFIG=str(tmp_path / "strict.toml")), tmp_path, "nightly", "--deadline", "+3600",
+        "--out", str(tmp_path / "out"))
+    db = Database(sqlite_url)
+    with db.session() as s:
+        reasons = [a.reasons for a in s.scalars(select(Attempt).order_by(Attempt.id))]
+    db.dispose()
+    assert len(reasons) == 2
+    assert all(any(r.startswith("flat: frames 0-9 (black throughout: mean luma at most") and r.endswith("< 255)")
+                   for r in rs) for rs in reasons), reasons

@@ -178,6 +178,7 @@ def nightly(deadline, out_root, interval, group_size, device):
     Example:
       clipmill nightly --deadline 07:00
     """
+    settings()  # a bad CLIPMILL_* value is one line (exit 2), before the farm's app reads them on import
     from clipmill.jobs.farm.nightly import NightlyRunning, Supervisor, parse_deadline, report_name, run_farm, single_run, write_report
     from clipmill.jobs.runner.embedded import run_batch
     from clipmill.jobs.runner.stages import WorkerContext
@@ -194,6 +195,14 @@ def nightly(deadline, out_root, interval, group_size, device):
         if not settings().farm:
             device = check_device(device or default_device())
     db = open_db()
+    if not settings().farm:
+        # rendering here: QC's thresholds, the draws and the render options from the CLIPMILL_*
+        # variables, as a farm worker reads them (before, the defaults, whatever they said)
+        try:
+            ctx = WorkerContext.from_settings(settings(), db)
+        except ValueError as e:
+            raise BadInput(str(e))
+        ctx.device = device
     sup = Supervisor(db, when, preview_max_s=settings().preview_max_s)
     try:
         with single_run(db), domain_errors(), interruptible():
@@ -201,8 +210,6 @@ def nightly(deadline, out_root, interval, group_size, device):
             if settings().farm:
                 run_farm(db, sup, interval)
             else:
-                ctx = WorkerContext(db, device=device)
-
                 def before_group() -> bool:
                     sup.step(1)
                     return sup.time_left() > 0
