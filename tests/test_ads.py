@@ -463,12 +463,30 @@ def test_an_ad_batch_keeps_its_template_and_files_as_they_were_at_submit(tmp_pat
         values = [a.values for a in s.query(Ad).order_by(Ad.id)]
     assert sorted(batch.ad_assets) == ["logos/a.png", "logos/b.png", "m.wav"]
     assert all(k.startswith("_assets/") and (out / k).is_file() for k in batch.ad_assets.values())
-    (tmp_path / "work").mkdir()
-    tpl = batch_template(batch, LocalStorage(str(out)), str(tmp_path / "work"))
-    assert tpl.fps == 30 and tpl.path == Path(batch.ad_template)
     for v in values:
-        _, files, _, errs = rows.layout(tpl, v)
+        work = tmp_path / f"work-{v['id']}"
+        work.mkdir()
+        tpl = batch_template(batch, v, LocalStorage(str(out)), str(work))
+        assert tpl.fps == 30 and tpl.path == Path(batch.ad_template)
+        assert sorted(p.name for p in (work / "assets").iterdir()) == sorted(  # only the files this ad uses
+            k.rsplit("/", 1)[-1] for n, k in batch.ad_assets.items() if n in (f"logos/{v['id']}.png", "m.wav"))
+        _, files, _, errs = rows.layout(tpl, v, stored=True)
         assert errs == []
         assert Path(files["logo"]).read_bytes() == before[f"logos/{v['id']}.png"]
         assert Path(files["music"]).read_bytes() == before["m.wav"]
     db.dispose()
+
+
+def test_a_stored_template_is_read_as_it_was_accepted_not_refused_by_a_later_rule(tmp_path):
+    """A batch keeps its template's text; its assembly reads it with ``stored=True``. Rules added
+    after a batch was accepted (a crossfade length on a cut, max_size under 10 kB, the logo's
+    fit) must not fail its ads for good: before, they would have."""
+    body = ("[[formats]]\nsize = [720, 720]\n[formats.delivery]\nmax_size = 0\n[[shots]]\nprompt = 'x'\nseconds = 2\n"
+            "[[shots]]\nprompt = 'y'\nseconds = 2\ncrossfade = 0.5\n")
+    with pytest.raises(template.TemplateError, match="max_size = 0: give a size"):
+        template.loads(body, tmp_path / "t.toml")
+    with pytest.raises(template.TemplateError, match="crossfade = 0.5: set only with transition = 'crossfade'"):
+        template.loads(body.replace("max_size = 0", "max_size = '8MB'"), tmp_path / "t.toml")
+    tpl = template.loads(body, tmp_path / "t.toml", stored=True)
+    assert [(s.transition, s.crossfade) for s in tpl.shots] == [("cut", 0.0), ("cut", 0.0)]
+    assert tpl.formats[0].delivery.max_bytes == 0  # "no limit", as it was read when the batch was accepted

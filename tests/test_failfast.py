@@ -451,3 +451,16 @@ def test_a_first_submit_that_fails_leaves_no_empty_job_table(cli, tmp_path, monk
     assert cli("submit", "bad.csv").exit_code == 2
     assert fresh.exists()
     assert "kept" in cli("status").output
+
+
+@pytest.mark.parametrize("args", [("run", "--resume", "nosuch"), ("status", "nosuch"), ("cancel", "nosuch"),
+                                  ("retry", "nosuch", "--failed"), ("export", "nosuch", "--to", "d"),
+                                  ("review", "nosuch")])
+def test_a_command_about_a_batch_refuses_a_job_table_that_is_not_there(cli, tmp_path, monkeypatch, args):
+    """Before, each made an empty clipmill.db where it ran, then said the batch did not exist."""
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", f"sqlite:///{tmp_path / 'none.db'}")
+    res = cli(*args)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == (f"Error: no job table at sqlite:///{tmp_path / 'none.db'}: nothing was submitted "
+                                  "there; set CLIPMILL_DATABASE_URL to the job table that holds the batch")
+    assert not list(tmp_path.glob("none.db*"))

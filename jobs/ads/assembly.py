@@ -129,33 +129,37 @@ def assemble_ad(ctx, ad_id: int, lease_s: float = LEASE_S) -> str | None:
     return state
 
 
-def batch_template(batch: Batch, storage, folder: str) -> template.AdTemplate:
-    """The batch's template as it was at submit, its files read from their copies in storage
-    (written into ``folder``). A batch submitted before templates were kept (no text): the
-    template and files at their paths now."""
+def batch_template(batch: Batch, values: dict[str, str], storage, folder: str) -> template.AdTemplate:
+    """The batch's template as it was accepted at submit, for the ad of row ``values``: the
+    files that ad uses read from their copies in storage (written into ``folder``). A batch
+    submitted before templates were kept (no text): the template and files at their paths now."""
     if batch.ad_template_text is None:
-        return template.load(batch.ad_template)
+        return template.load(batch.ad_template, stored=True)
+    tpl = template.loads(batch.ad_template_text, batch.ad_template, stored=True)
     copies = {}
     os.makedirs(os.path.join(folder, "assets"), exist_ok=True)
-    for name, key in (batch.ad_assets or {}).items():
+    for _, name, _ in rows.file_names(tpl, values):
+        key = (batch.ad_assets or {}).get(name)
+        if key is None:
+            continue  # not stored at submit: layout() names the file as missing
         local = os.path.join(folder, "assets", key.rsplit("/", 1)[-1])
-        if not os.path.exists(local):
+        if not os.path.exists(local):  # one read a file, however many texts use it
             with open(local, "wb") as f:
                 f.write(storage.get_bytes(key))
         copies[name] = Path(local)
-    return dataclasses.replace(template.loads(batch.ad_template_text, batch.ad_template), copies=copies)
+    return dataclasses.replace(tpl, copies=copies)
 
 
 def _assemble(ctx, ad: Ad, batch: Batch) -> tuple[str, dict, str | None]:
     storage = ctx.storage(batch.out)
     with tempfile.TemporaryDirectory(prefix="clipmill-ad-") as tmp:
-        tpl = batch_template(batch, storage, tmp)
+        tpl = batch_template(batch, ad.values, storage, tmp)
         return _assemble_with(ctx, ad, batch, tpl, storage, tmp)
 
 
 def _assemble_with(ctx, ad: Ad, batch: Batch, tpl: template.AdTemplate, storage, tmp: str
                    ) -> tuple[str, dict, str | None]:
-    texts, files, text_px, errs = rows.layout(tpl, ad.values)
+    texts, files, text_px, errs = rows.layout(tpl, ad.values, stored=True)
     if errs:
         raise ValueError("; ".join(str(e) for e in errs))
     with ctx.db.session() as s:

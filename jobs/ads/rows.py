@@ -175,10 +175,12 @@ def file_names(tpl: AdTemplate, values: dict[str, str]) -> list[tuple[str, str, 
     return [(key, fill(template, values), kind) for key, template, kind in wanted]
 
 
-def layout(tpl: AdTemplate, values: dict[str, str], path: str = "", line: int = 0
+def layout(tpl: AdTemplate, values: dict[str, str], path: str = "", line: int = 0, stored: bool = False
            ) -> tuple[dict[str, str], dict[str, str], dict[str, dict[str, int]], list[Problem]]:
     """An ad's texts (filled), its files (resolved and checked) and the size each text is drawn
-    at in each format, with the problems found: what both the row check and the assembly need."""
+    at in each format, with the problems found: what both the row check and the assembly need.
+    ``stored``: an ad accepted at submit, laid out for its assembly: the logo's fit, a check
+    added since some batches were accepted, is not applied again."""
     errs: list[Problem] = []
     P = lambda f, v, m: Problem(path, line, f, v, m)  # noqa: E731
     files: dict[str, str] = {}
@@ -189,7 +191,7 @@ def layout(tpl: AdTemplate, values: dict[str, str], path: str = "", line: int = 
             errs.append(P(key.replace("font:", "font of text "), str(p), why))
         files[key] = str(p)
 
-    if tpl.logo and not any(e.field == "logo" for e in errs):
+    if tpl.logo and not stored and not any(e.field == "logo" for e in errs):
         errs += [P("logo", files["logo"], why) for why in _logo_fits(tpl, Path(files["logo"]))]
 
     texts: dict[str, str] = {}

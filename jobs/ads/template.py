@@ -195,8 +195,8 @@ class _Lower(dict):
 class _Reader:
     """Typed access to a TOML table, each problem naming ``file: field``."""
 
-    def __init__(self, path: Path, table: dict, where: str = ""):
-        self.path, self.t, self.where = path, table, where
+    def __init__(self, path: Path, table: dict, where: str = "", stored: bool = False):
+        self.path, self.t, self.where, self.stored = path, table, where, stored
 
     def err(self, key: str, value, allowed: str) -> TemplateError:
         name = f"{self.where}{key}" if key else self.where.rstrip(".")
@@ -204,7 +204,7 @@ class _Reader:
         return TemplateError(f"{self.path}: {name} = {shown}: {allowed}")
 
     def child(self, key: str, table: dict) -> _Reader:
-        return _Reader(self.path, table, f"{self.where}{key}.")
+        return _Reader(self.path, table, f"{self.where}{key}.", self.stored)
 
     def known(self, keys: tuple[str, ...]) -> None:
         for k in self.t:
@@ -281,7 +281,7 @@ def _bytes(r: _Reader, key: str) -> int | None:
     v = r.t[key]
     m = _SIZE_RE.match(str(v)) if isinstance(v, (str, int)) and not isinstance(v, bool) else None
     n = int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]) if m else 0
-    if n < MIN_FILE_BYTES:
+    if not m or (n < MIN_FILE_BYTES and not r.stored):
         raise r.err(key, v, f"give a size such as '8MB', '500kB' or a number of bytes, at least {MIN_FILE_BYTES // 1000}kB")
     return n
 
@@ -355,9 +355,9 @@ def _text(r: _Reader, i: int, length: float, default_font: str | None) -> TextSp
     )
 
 
-def load(path: str | Path) -> AdTemplate:
+def load(path: str | Path, stored: bool = False) -> AdTemplate:
     """Read and check an ad template. Files it names are checked per row (their paths may hold
-    placeholders), not here."""
+    placeholders), not here. ``stored``: see ``loads``."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -367,18 +367,21 @@ def load(path: str | Path) -> AdTemplate:
         raise TemplateError(f"--ad {path}: is a folder; give the template's .toml file") from None
     except UnicodeDecodeError:
         raise TemplateError(f"--ad {path}: not valid UTF-8; save the template as UTF-8") from None
-    return loads(text, path)
+    return loads(text, path, stored)
 
 
-def loads(text: str, path: str | Path) -> AdTemplate:
+def loads(text: str, path: str | Path, stored: bool = False) -> AdTemplate:
     """An ad template from its TOML ``text``; ``path`` names it in errors, and its folder is
-    where the relative file paths it names are found."""
+    where the relative file paths it names are found. ``stored``: a batch's template as it was
+    accepted at submit, read for its assembly: checks added since are not applied to it (a
+    crossfade length on a cut is ignored, a max_size under 10 kB kept as it was read then), so
+    a batch accepted once is never failed by a later rule."""
     path = Path(path)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise TemplateError(f"--ad {path}: not valid TOML ({e})") from None
-    r = _Reader(path, data)
+    r = _Reader(path, data, stored=stored)
     r.known(("name", "fps", "safe_area", "font", "formats", "shots", "texts", "logo", "end_card", "music", "notify"))
     fps = r.num("fps", 30, MIN_FPS, MAX_FPS, integer=True)
     safe_area = r.pair("safe_area", (0.05, 0.05), 0.0, 0.3)
@@ -394,7 +397,7 @@ def loads(text: str, path: str | Path) -> AdTemplate:
         s.known(("prompt", "negative_prompt", "seconds", "tier", "transition", "crossfade"))
         transition = s.text("transition", "cut", TRANSITIONS)
         seconds = s.num("seconds", None, 0.25, MAX_SHOT_SECONDS, required=True)
-        if transition == "cut" and s.has("crossfade"):
+        if transition == "cut" and s.has("crossfade") and not s.stored:
             raise s.err("crossfade", s.t["crossfade"], "set only with transition = 'crossfade'; this shot cuts in "
                                                        "(transition = 'cut', the default)")
         crossfade = s.num("crossfade", 0.5, 0.04, seconds / 2) if transition == "crossfade" else 0.0

@@ -192,7 +192,7 @@ def run(file, resume, group_size, device, ad_template, opts, qc_cfg, feature_cac
                 load(ad_template)  # a bad template is refused before anything loads
             model, guidance, root, where = opts.model, opts.guidance, opts.out, "--out"
         else:
-            info = batch_summary(open_db(), resume)
+            info = batch_summary(open_db(existing=True), resume)
             model, guidance, root, where = info["model"], info["guidance"], info["out"], f"batch {resume}'s storage"
         check_model(model, decoder)
         check_storage(root, where)
@@ -459,7 +459,7 @@ def status(batch, as_json, watch, limit):
 
     from clipmill.jobs.core.batches import SubmitError, batch_status, batch_summary, list_batches
 
-    db = open_db()
+    db = open_db(existing=batch is not None)
     if watch is not None:
         if batch is None:
             raise click.UsageError("--watch needs a BATCH")

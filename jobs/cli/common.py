@@ -12,6 +12,7 @@ import functools
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -107,14 +108,25 @@ def settings():
         raise BadInput(str(e))
 
 
-def open_db():
+def open_db(existing: bool = False):
     """The job table, migrated; a URL that is not one is bad input (exit 2), a database that
-    cannot be opened or reached a setup problem (exit 3), each one line naming it."""
+    cannot be opened or reached a setup problem (exit 3), each one line naming it. ``existing``:
+    for a command about batches already submitted, a SQLite file that is not there is bad input
+    (exit 2), not made empty."""
+    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from clipmill.jobs.core.db import Database
 
     url = settings().database_url
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        parsed = None  # Database() below names it
+    if (existing and parsed is not None and parsed.drivername.startswith("sqlite")
+            and parsed.database not in (None, "", ":memory:") and not Path(parsed.database).exists()):
+        raise BadInput(f"no job table at {redact_url(url)}: nothing was submitted there; set CLIPMILL_DATABASE_URL "
+                       "to the job table that holds the batch")
     try:
         return Database(url)
     except ArgumentError as e:
@@ -183,7 +195,7 @@ def submit_options(fn):
     @click.option("--guidance", type=float, default=1.0, show_default=True,
                   help="CFG scale, 1-30; 1.0 turns guidance off (distilled models).")
     @click.option("--max-attempts", type=int, default=2, show_default=True,
-                  help="Attempts per job, QC retries and render errors together (1-10).")
+                  help="Attempts per job, QC retries and render or post-processing errors together (1-10).")
     @click.option("--max-lost", type=int, default=3, show_default=True,
                   help="Attempts a job may lose with its worker (killed, lease expired) before it fails (1-10); "
                        "they do not count against --max-attempts.")

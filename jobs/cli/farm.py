@@ -93,8 +93,9 @@ def beat(schedule_file, loglevel):
 def reconcile(stale):
     """Make the broker agree with the job table: take back jobs whose worker lease expired, send
     again queued jobs that were never sent (broker down at submit) or sent over --stale seconds
-    ago, and rendered clips waiting for post-processing whose post message is as old and whose
-    post no live worker is doing. Safe to run any time; also run it periodically.
+    ago, rendered clips waiting for post-processing whose post message is as old and whose
+    post no live worker is doing, ads whose shots are all in but not assembled, and finished
+    batches' --notify callbacks not yet sent. Safe to run any time; also run it periodically.
 
     \b
     Example:
@@ -108,7 +109,8 @@ def reconcile(stale):
     except BrokerDown as e:
         raise SetupError(f"broker {redact_url(url)} unreachable: {e}")
     out.print(f"taken back {res['taken_back']}, render messages sent {res['render_sent']}, "
-              f"post messages sent {res['post_sent']}")
+              f"post messages sent {res['post_sent']}, assembly messages sent {res['assemble_sent']}, "
+              f"batch callbacks sent {res['notify_sent']}")
 
 
 @click.command()
@@ -124,7 +126,7 @@ def cancel(target):
     from clipmill.jobs.core.operations import TargetError, cancel as do_cancel
 
     try:
-        ids = do_cancel(open_db(), target)
+        ids = do_cancel(open_db(existing=True), target)
     except TargetError as e:
         raise BadInput(str(e))
     out.print(f"cancelled {len(ids)} job(s)" + (f": {', '.join(map(str, ids))}" if ids else ""))
@@ -136,9 +138,9 @@ def cancel(target):
 @click.option("--rejected", is_flag=True, help="Queue jobs QC rejected again (at the quality tier, with a new seed).")
 @click.option("--cancelled", is_flag=True, help="Queue cancelled jobs again.")
 def retry(target, failed, rejected, cancelled):
-    """Queue the failed (or QC-rejected, or cancelled) jobs of a batch, or one job, again for one
-    more attempt each. Each job is queued once, however often this runs at the same time. In
-    farm mode they are sent to the render queue.
+    """Queue again the jobs of a batch (or one job) in the states given, --failed, --rejected
+    and/or --cancelled (at least one), for one more attempt each. Each job is queued once,
+    however often this runs at the same time. In farm mode they are sent to the render queue.
 
     \b
     Example:
@@ -147,7 +149,7 @@ def retry(target, failed, rejected, cancelled):
     """
     from clipmill.jobs.core.operations import TargetError, retry as do_retry
 
-    db = open_db()
+    db = open_db(existing=True)
     try:
         ids = do_retry(db, target, failed=failed, cancelled=cancelled, rejected=rejected)
     except TargetError as e:

@@ -39,7 +39,7 @@ def review(batch, host, port, token):
         raise BadInput(f"--host {host}: binding beyond this machine needs --token (or CLIPMILL_REVIEW_TOKEN)")
     if token is not None and len(token) < 12:
         raise BadInput("--token: use at least 12 characters")
-    db = open_db()
+    db = open_db(existing=batch is not None)
     if batch is not None:
         try:
             batch_summary(db, batch)
@@ -162,7 +162,7 @@ def export(batch, dest):
     from clipmill.jobs.core.preflight import check_storage
     from clipmill.jobs.review.export import ExportError, approved_count, export_batch
 
-    db = open_db()
+    db = open_db(existing=True)
     with domain_errors():
         try:
             n, kind = approved_count(db, batch)
