@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import cv2
@@ -82,10 +83,39 @@ def test_preview_streams_follows_a_new_prompt_queues_it_and_frees_the_model(tmp_
             blue = analyze(_frames(within[-4:]))
             assert blue.colour == "blue", blue.label()
 
-            # queue this: a batch with the prompt, its seed and the chosen tier
+            # a seed out of range is a 400 naming it, and the stream that is on keeps streaming
+            try:
+                urllib.request.urlopen(url + "/preview/stream?prompt=x&seed=100000000000")
+                raise AssertionError("a seed of 1e11 was accepted")
+            except urllib.error.HTTPError as e:
+                assert e.code == 400 and b"seed 100000000000: allowed an integer from 0 to 4294967295" in e.read()
+            assert _active(url) == 1
+
+            # queue this: a batch with the prompt, its seed and the chosen tier; a second click
+            # answers the same batch (it made one batch a click)
             page.select_option("#tier", "quality")
             page.click("#queue")
             page.wait_for_function("document.getElementById('message').textContent.startsWith('queued as batch')")
+            queued = page.text_content("#message")
+            page.evaluate("document.getElementById('message').textContent = ''")
+            page.click("#queue")
+            page.wait_for_function("document.getElementById('message').textContent.startsWith('queued as batch')")
+            assert page.text_content("#message") == queued
+
+            # a second page takes the stream; the first is told why and does not take it back
+            # (its browser reconnected by itself, and the two pages swapped the stream forever)
+            other = browser.new_context(bypass_csp=True).new_page()
+            other.goto(url + "/preview?prompt=" + urllib.request.quote(RED))
+            page.wait_for_function("document.getElementById('message').textContent.includes('replaced by a newer page')",
+                                   timeout=60000)
+            other.wait_for_function("document.getElementById('info').textContent.startsWith('frame')", timeout=60000)
+            ids = set()
+            for _ in range(20):  # 3 s: one session, never replaced again
+                with urllib.request.urlopen(url + "/api/preview") as r:
+                    ids |= {x["session"] for x in json.loads(r.read())["sessions"]}
+                time.sleep(0.15)
+            assert len(ids) == 1, ids
+            other.close()
             page.close()
             # the stream notices the closed page when its render thread next hands over a frame:
             # after the window in flight (about a second here, 1.5 s was once too short on a

@@ -33,6 +33,7 @@ ones, ``CLIPMILL_MODEL``, ``CLIPMILL_LOG_JSON``, ``CLIPMILL_REVIEW_TOKEN``); out
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -66,7 +67,7 @@ def _seconds(name: str, text: str) -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value < 0:
+    if not math.isfinite(value) or value < 0:  # nan turned a limit off; inf overflowed its users
         raise SettingsError(f"{name}={text!r}: expected a number of seconds, 0 or more")
     return value
 

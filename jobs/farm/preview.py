@@ -41,8 +41,8 @@ from redis.exceptions import RedisError
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.farm.dispatch import BrokerDown, send_render
-from clipmill.jobs.review.preview import (PreviewError, SessionTable, check_prompt, jpeg, new_id, new_session,
-                                          payload, queue_prompt, record_end, record_open, record_start)
+from clipmill.jobs.review.preview import (BATCH_TIER, PreviewError, SessionTable, check_prompt, check_seed, jpeg, new_id,
+                                          new_session, payload, queue_prompt, record_end, record_open, record_start)
 from clipmill.pipeline.pacing import Pacer
 
 log = logging.getLogger("clipmill.preview")
@@ -147,8 +147,11 @@ def serve(ctx, r: redis.Redis, sid: str, worker: str, max_s: float) -> dict:
     except Exception as e:  # noqa: BLE001 - the page is told, the worker goes on with its groups
         log.exception("preview %s failed", sid)
         why, error = f"{e.__class__.__name__}: {e}", True
-    ch.end(why, error)
-    record_end(ctx.db, sid, frames, why)
+    record_end(ctx.db, sid, frames, why)  # first: the nightly scheduler counts a row with no end as preview time
+    try:
+        ch.end(why, error)
+    except RedisError as e:  # the page's keys expire by themselves
+        log.warning("preview %s: could not tell the page it ended (%s)", sid, e)
     log.info("preview %s: %s frames; ended: %s", sid, frames, why)
     return {"served": True, "frames": frames, "ended": why}
 
@@ -166,10 +169,10 @@ def _stream(ctx, ch: Channel, spec: dict, worker: str, max_s: float) -> tuple[in
     limit = max_s if max_s > 0 else math.inf
     with renderer.using(opts):
         session = new_session(renderer, spec["prompt"], int(spec["seed"]), budget, ch.sid)
-        ch.streaming()
         prompt, why = spec["prompt"], "the page closed"
         t0, pacer = time.perf_counter(), Pacer(budget)
-        try:
+        try:  # from the first write on: a failing one still closes the session (its thread and hooks)
+            ch.streaming()
             while True:
                 alive, asked = ch.poll()
                 if not alive:
@@ -209,6 +212,8 @@ class FarmSession:
     def __init__(self, ch: Channel, prompt: str, seed: int):
         self.ch, self.id, self.seed = ch, ch.sid, seed
         self.prompt, self.frames, self.closed = prompt, 0, False
+        self.queued: dict | None = None  # what "Queue this" made of it: a second click answers the same
+        self.lock = threading.Lock()
         self.last = "0-0"
         self.meta: dict = {}
         self.opened = self.last_frame = time.monotonic()
@@ -265,14 +270,18 @@ class FarmPreviews(SessionTable):
         self._lock = threading.Lock()
 
     def open(self, prompt: str, seed: int = 0) -> FarmSession:
-        prompt = check_prompt(prompt)
+        prompt, seed = check_prompt(prompt), check_seed(seed)
         sid = new_id()
         ch = Channel(self.r, sid)
+        recorded = False
         try:
             ch.create(prompt, seed, self.model, self.budget_s)
             record_open(self.db, sid, self.model, "farm")
+            recorded = True
             send_preview(sid)
         except (BrokerDown, RedisError, OSError) as e:
+            if recorded:  # no worker will take it: its row ends here, not counted as preview time all night
+                record_end(self.db, sid, 0, f"never sent: the broker is unreachable ({e})")
             raise PreviewError(f"the broker is unreachable ({e}); the preview needs a render worker through it")
         session = FarmSession(ch, prompt, seed)
         with self._lock:
@@ -303,7 +312,10 @@ class FarmPreviews(SessionTable):
         """Queue the session's prompt, with its seed and ``tier``, as a one-job batch, and send
         it to the render queue."""
         s = self.get(sid)
-        res = queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
+        with s.lock:  # a double click queues the clip once
+            if s.queued is not None and (s.queued["prompt"], s.queued["tier"]) == (s.prompt, BATCH_TIER.get(tier)):
+                return s.queued
+            s.queued = res = queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
         try:
             send_render(db, res["jobs"])
         except BrokerDown as e:

@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from clipmill.jobs.core.batches import SubmitOptions, submit
+from clipmill.jobs.core.prompts import MAX_SEED
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import PreviewSession, utcnow
 from clipmill.jobs.core.queue import worker_name
@@ -55,6 +56,8 @@ class Session:
     frames: int = 0
     pending_prompt: str | None = None
     closed: bool = False
+    ended: str | None = None  # why it ended, when not at its own page's request (the page is told)
+    queued: dict | None = None  # what "Queue this" made of it: a second click answers the same
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -193,7 +196,7 @@ class Previews(SessionTable):
         self._lock = threading.Lock()
 
     def open(self, prompt: str, seed: int = 0) -> Session:
-        prompt = check_prompt(prompt)
+        prompt, seed = check_prompt(prompt), check_seed(seed)  # before the stream streaming now ends
         with self._lock:
             for s in list(self.sessions.values()):  # one stream at a time: the newest page wins
                 self._end(s, "replaced by a newer page")
@@ -208,6 +211,7 @@ class Previews(SessionTable):
 
     def _end(self, s: Session, why: str) -> None:
         was_open = not s.closed
+        s.ended = s.ended or why
         s.close()
         if was_open and self.db is not None:
             record_end(self.db, s.id, s.frames, why)
@@ -220,12 +224,21 @@ class Previews(SessionTable):
     def queue(self, db: Database, sid: str, tier: str) -> dict:
         """Queue the session's prompt, with its seed and ``tier``, as a one-job batch."""
         s = self.get(sid)
-        return queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
+        with s.lock:  # a double click queues the clip once
+            if s.queued is None or (s.queued["prompt"], s.queued["tier"]) != (s.prompt, BATCH_TIER.get(tier)):
+                s.queued = queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
+            return s.queued
 
     def steer(self, sid: str, prompt: str) -> dict:
         s = self.get(sid)
         s.steer(check_prompt(prompt))
         return {"session": sid, "prompt": s.pending_prompt}
+
+
+def check_seed(seed: int) -> int:
+    if not 0 <= seed <= MAX_SEED:
+        raise PreviewError(f"seed {seed}: allowed an integer from 0 to {MAX_SEED}")
+    return seed
 
 
 def check_prompt(prompt: str) -> str:
@@ -285,5 +298,7 @@ def queue_prompt(db: Database, prompt: str, seed: int, tier: str, model: str, ou
     with tempfile.TemporaryDirectory(prefix="clipmill-preview-") as tmp:
         path = Path(tmp) / "preview.csv"
         path.write_text(buf.getvalue(), encoding="utf-8")
-        res = submit(db, path, SubmitOptions(model=model, out=out, batch=f"preview-{time.strftime('%Y%m%d-%H%M%S')}"))
+        # the second's name and a random tail: two previews queued in one second are two batches
+        name = f"preview-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+        res = submit(db, path, SubmitOptions(model=model, out=out, batch=name))
     return {"batch": res.batch_id, "jobs": res.job_ids, "prompt": prompt, "seed": seed, "tier": BATCH_TIER[tier]}

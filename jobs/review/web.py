@@ -215,6 +215,8 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
                     if pacer is not None:  # at the frame-time budget, not in bursts of a call's frames
                         await asyncio.sleep(pacer.delay())
                     yield f"event: frame\ndata: {json.dumps(data)}\n\n"
+                if getattr(session, "ended", None):  # ended here, not by its page: say why, so the page stops
+                    yield f"event: failed\ndata: {json.dumps({'error': f'this preview ended: {session.ended}'})}\n\n"
             finally:
                 previews.close(session.id)
 
