@@ -661,3 +661,42 @@ def test_a_teacher_fine_tuned_with_frame_markers_carries_them_to_the_student_and
     plain = Renderer(info, options=replace(renderer.options, text_kv=False))
     (ref,) = plain.render([req], GroupSettings(tier="fast", sampler=info.scheduler))
     assert np.array_equal(ref.frames, res.frames)
+
+
+def test_train_model_refuses_an_export_or_a_teacher_that_would_lose_data(tmp_path):
+    """Each was accepted: the export replaced a folder of other files (or the checkpoint folder
+    itself) whole; an exported model's root, its distilled student, was distilled again as if
+    it were a teacher; a smoke checkpoint exported without --recipe smoke replaced the shipped
+    teacher; a recipe.json cut short by a full disk failed every later run without its name."""
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+    from clipmill.pipeline.train.recipe import RECIPES
+
+    def train(*args):
+        return CliRunner().invoke(main, ["train-model", "--recipe", "smoke", *args])
+
+    ck = tmp_path / "ck"
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "n.txt").write_text("keep me")
+    r = train("--ckpt", str(ck), "--out", str(tmp_path / "notes"))
+    assert r.exit_code == 2 and (f"Invalid value for --out: {tmp_path / 'notes'}: holds files but is not a model folder "
+                                 "(no model_index.json)") in r.output
+    for out in (ck, tmp_path):
+        r = train("--ckpt", str(ck), "--out", str(out))
+        assert r.exit_code == 2 and f"which is or holds the checkpoint folder {ck}" in r.output, r.output
+    r = train("--ckpt", str(ck), "--out", str(ck / "vae"))
+    assert r.exit_code == 2 and "inside the checkpoint folder" in r.output
+    assert (tmp_path / "notes" / "n.txt").read_text() == "keep me" and not ck.exists()
+
+    r = train("--ckpt", str(ck), "--from-teacher", str(models.SHAPES_DIR), "--out", str(tmp_path / "o"))
+    assert r.exit_code == 2, r.output
+    assert (f"--from-teacher {models.SHAPES_DIR}: a distilled student's folder (its clipmill.json says "
+            f"guidance_distilled); pass its teacher folder, {models.SHAPES_DIR / 'teacher'}") in r.output
+
+    check_root(ck, RECIPES["smoke"].with_seed(0))  # a smoke checkpoint folder
+    r = CliRunner().invoke(main, ["train-model", "--ckpt", str(ck), "--export-teacher", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and f"{ck}: its checkpoints were started with" in r.output, r.output
+    (ck / "recipe.json").write_text('{"seed": ')  # cut short
+    r = train("--ckpt", str(ck), "--no-export")
+    assert r.exit_code == 2 and f"{ck / 'recipe.json'}: not valid JSON" in r.output, r.output

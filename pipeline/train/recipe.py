@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -128,15 +129,29 @@ def check_root(root: Path, recipe: Recipe) -> None:
     change between runs (to train a stage longer, say), since they do not change what a
     checkpoint holds."""
     path = root / "recipe.json"
+    mine = verify_root(root, recipe)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".recipe.json.{os.getpid()}")
+    tmp.write_text(json.dumps(mine, indent=1))  # then renamed: a full disk never leaves it cut short
+    os.replace(tmp, path)
+
+
+def verify_root(root: Path, recipe: Recipe) -> dict:
+    """Refuse ``root`` when its checkpoints were started with another seed or other network
+    sizes than ``recipe`` (``root/recipe.json``, when there); returns ``recipe`` as recorded."""
+    path = root / "recipe.json"
     mine = json.loads(json.dumps(recipe.as_dict()))  # tuples as lists, as read back
     if path.exists():
-        theirs = json.loads(path.read_text())
+        try:
+            theirs = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e}); it records the seed and sizes the checkpoints were "
+                             "started with: restore it, or pick another checkpoint folder") from None
         if diff := [k for k in IDENTITY if _get(theirs, k) != _get(mine, k)]:
             raise ValueError(f"{root}: its checkpoints were started with " + ", ".join(f"{k} {_get(theirs, k)}" for k in diff)
                              + "; this run asks for " + ", ".join(f"{k} {_get(mine, k)}" for k in diff)
                              + f" (see {path}): resume with the same ones or pick another checkpoint folder")
-    root.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(mine, indent=1))
+    return mine
 
 
 def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[str, ...] = STAGE_ORDER,
@@ -191,11 +206,14 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if held := [s for s in SEEDED if (root / s).exists()]:
         raise ValueError(f"--from-teacher: {root} already holds the {', '.join(held)} stage(s) (not all seeded from "
                          f"{folder}); seed an empty checkpoint folder")
+    meta = json.loads((folder / "clipmill.json").read_text()) if (folder / "clipmill.json").exists() else {}
+    if meta.get("guidance_distilled"):  # an exported model's root: its student, not its teacher
+        raise ValueError(f"--from-teacher {folder}: a distilled student's folder (its clipmill.json says "
+                         f"guidance_distilled); pass its teacher folder, {folder / (meta.get('teacher') or 'teacher')}")
     pipe = AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
     want = nets.build_unet(recipe.denoiser.unet).config
     keys = ("block_out_channels", "down_block_types", "up_block_types", "temporal_transformer_layers_per_block",
             "num_attention_heads", "motion_num_attention_heads", "cross_attention_dim")
-    meta = json.loads((folder / "clipmill.json").read_text()) if (folder / "clipmill.json").exists() else {}
     before = (meta.get("training") or {}).get("stages") or {}
     teacher = before.get("teacher") or {}
     diff = [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]
