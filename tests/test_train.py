@@ -700,3 +700,38 @@ def test_train_model_refuses_an_export_or_a_teacher_that_would_lose_data(tmp_pat
     (ck / "recipe.json").write_text('{"seed": ')  # cut short
     r = train("--ckpt", str(ck), "--no-export")
     assert r.exit_code == 2 and f"{ck / 'recipe.json'}: not valid JSON" in r.output, r.output
+
+
+def test_train_model_says_in_one_line_what_a_stage_lacks_or_where_it_cannot_write_and_stops_on_sigterm(tmp_path):
+    """Each was a traceback (a stage without the stages it reads: exit 1, about huggingface.co;
+    a checkpoint folder that cannot be made), or "Aborted!" with exit 1 on Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+
+    r = CliRunner().invoke(main, ["train-model", "--recipe", "smoke", "--ckpt", str(tmp_path / "a"), "--stages", "teacher",
+                                  "--no-export"])
+    assert r.exit_code == 2 and (f"--stages teacher: the teacher stage needs the vae, text stage(s), which "
+                                 f"{tmp_path / 'a'} has not finished; add them to --stages") in r.output, r.output
+    (tmp_path / "file").write_text("x")
+    r = CliRunner().invoke(main, ["train-model", "--recipe", "smoke", "--ckpt", str(tmp_path / "file" / "ck"),
+                                  "--no-export"])
+    assert r.exit_code == 3 and "failed: Not a directory" in r.output and "Traceback" not in r.output, r.output
+
+    proc = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "train-model", "--recipe", "smoke", "--ckpt",
+                             str(tmp_path / "b"), "--no-export"], stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if "== stage 1/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, "".join(lines) + rest
+    assert "interrupted: the checkpoints written so far are kept; run the same command again to resume" in rest

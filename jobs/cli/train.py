@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from clipmill.jobs.cli.common import BadInput, default_device, domain_errors
+from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, BadInput, SetupError, default_device, domain_errors,
+                                      interruptible)
 
 STAGES = ("vae", "text", "teacher", "student", "decoder")
 
@@ -112,23 +113,30 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
 
     log(f"training recipe {recipe!r}, seed {seed}, on {dev} ({threads} CPU thread(s)), checkpoints in {root}")
     try:
-        if export_teacher:
-            verify_root(root, RECIPES[recipe].with_seed(seed))  # a smoke checkpoint never replaces the shipped teacher
-            log(f"exported the teacher to {export_teacher_folder(root, dest / 'teacher')}")
-            return
-        if from_teacher:
-            if names not in (STAGES, ("teacher", "student"), ("student",)):
-                raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if it has run fewer "
-                                         "steps than the recipe's) and the student are trained", param_hint="--stages")
-            teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
-            seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
-            names = ("teacher", "student", "decoder")  # finished stages are skipped
-        run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names, dev)
-        if not no_export and "student" in names:
-            # the full model's decode range is measured on its renders (the render check's limit);
-            # the smoke recipe's few steps draw noise, with no range worth stating
-            export_model(root, dest, clean=clean_caption if recipe == "full" else None)
-            log(f"exported the model to {dest}")
+        with interruptible():  # SIGTERM stops it as Ctrl-C does (exit 130)
+            if export_teacher:
+                verify_root(root, RECIPES[recipe].with_seed(seed))  # a smoke checkpoint is no shipped teacher
+                log(f"exported the teacher to {export_teacher_folder(root, dest / 'teacher')}")
+                return
+            if from_teacher:
+                if names not in (STAGES, ("teacher", "student"), ("student",)):
+                    raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if it has run fewer "
+                                             "steps than the recipe's) and the student are trained", param_hint="--stages")
+                teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
+                seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
+                names = ("teacher", "student", "decoder")  # finished stages are skipped
+            run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names, dev)
+            if not no_export and "student" in names:
+                # the full model's decode range is measured on its renders (the render check's limit);
+                # the smoke recipe's few steps draw noise, with no range worth stating
+                export_model(root, dest, clean=clean_caption if recipe == "full" else None)
+                log(f"exported the model to {dest}")
     except (ValueError, FileNotFoundError) as e:
         raise BadInput(str(e))
+    except OSError as e:  # a full disk, a read-only or missing folder: one line, not a traceback
+        raise SetupError(f"writing under {root} or {dest} failed: {e.strerror or e}"
+                         + (f" ({e.filename})" if e.filename else ""))
+    except KeyboardInterrupt:
+        log("interrupted: the checkpoints written so far are kept; run the same command again to resume")
+        raise SystemExit(EXIT_INTERRUPTED)
     log(f"done in {(time.time() - t0) / 60:.1f} min")

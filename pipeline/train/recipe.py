@@ -163,8 +163,13 @@ def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[st
     for s in stages:
         if s not in STAGE_ORDER:
             raise ValueError(f"stage {s!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
-    check_root(root, recipe)
     order = [s for s in STAGE_ORDER if s in stages]
+    for i, name in enumerate(order):  # what a stage reads must be done, or run before it now
+        missing = [n for n in NEEDS.get(name, ()) if n not in order[:i] and not (root / n / "done").exists()]
+        if missing and not (root / name / "done").exists():
+            raise ValueError(f"--stages {','.join(order)}: the {name} stage needs the {', '.join(missing)} stage(s), "
+                             f"which {root} has not finished; add them to --stages")
+    check_root(root, recipe)
     losses = {}
     for i, name in enumerate(order, 1):
         log(f"== stage {i}/{len(order)}: {name} ({root / name})")
@@ -173,6 +178,7 @@ def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[st
 
 
 SEEDED = ("vae", "text", "teacher")
+NEEDS = {"teacher": ("vae", "text"), "student": ("teacher",), "decoder": ("vae",)}  # what each stage reads
 
 
 def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> None:
