@@ -12,7 +12,6 @@ import functools
 import signal
 import sys
 import threading
-from pathlib import Path
 
 import click
 from rich.console import Console
@@ -113,18 +112,16 @@ def open_db(existing: bool = False):
     cannot be opened or reached a setup problem (exit 3), each one line naming it. ``existing``:
     for a command about batches already submitted, a SQLite file that is not there is bad input
     (exit 2), not made empty."""
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-    from clipmill.jobs.core.db import Database
+    from clipmill.jobs.core.db import Database, sqlite_file
 
     url = settings().database_url
     try:
-        parsed = make_url(url)
+        path = sqlite_file(url)
     except ArgumentError:
-        parsed = None  # Database() below names it
-    if (existing and parsed is not None and parsed.drivername.startswith("sqlite")
-            and parsed.database not in (None, "", ":memory:") and not Path(parsed.database).exists()):
+        path = None  # Database() below names it
+    if existing and path is not None and not path.exists():
         raise BadInput(f"no job table at {redact_url(url)}: nothing was submitted there; set CLIPMILL_DATABASE_URL "
                        "to the job table that holds the batch")
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sqlalchemy import create_engine, event, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from clipmill.jobs.core.settings import Settings
@@ -21,6 +21,16 @@ MIGRATIONS = Path(__file__).with_name("migrations")
 def database_url(url: str | None = None) -> str:
     """``url``, or the settings' CLIPMILL_DATABASE_URL, or SQLite at ./clipmill.db."""
     return url or Settings.from_env().database_url
+
+
+def sqlite_file(url: str | URL) -> Path | None:
+    """The file of a SQLite database URL, as written in it; None for another dialect, an
+    in-memory database or a ``file:`` URI. Raises ArgumentError for a URL that does not parse."""
+    parsed = make_url(url)
+    name = parsed.database
+    if not parsed.drivername.startswith("sqlite") or not name or name == ":memory:" or name.startswith("file:"):
+        return None
+    return Path(name)
 
 
 def make_engine(url: str | None = None) -> Engine:

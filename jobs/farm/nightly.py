@@ -27,7 +27,7 @@ from zoneinfo import ZoneInfo
 
 from sqlalchemy import func, or_, select, text, update
 
-from clipmill.jobs.core.db import Database
+from clipmill.jobs.core.db import Database, sqlite_file
 from clipmill.jobs.core.models import Attempt, Job, PreviewSession
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.dispatch import BrokerDown, reconcile
@@ -221,10 +221,8 @@ class NightlyRunning(RuntimeError):
 
 def lock_file(db: Database) -> Path | None:
     """SQLite: the nightly lock file beside the database file (None for an in-memory database)."""
-    name = db.engine.url.database
-    if not name or name == ":memory:" or name.startswith("file:"):
-        return None
-    return Path(name).expanduser().resolve().with_name(Path(name).name + ".nightly.lock")
+    path = sqlite_file(db.engine.url)
+    return None if path is None else path.expanduser().resolve().with_name(path.name + ".nightly.lock")
 
 
 @contextmanager
