@@ -49,6 +49,15 @@ def invalid(ads: rows.AdBatch) -> BatchInvalid:
     return BatchInvalid(BatchFile(ads.path, errors=list(ads.errors), warnings=list(ads.warnings)))
 
 
+def check_ad_submission(path: str | Path, template_path: str | Path, opts: SubmitOptions) -> rows.AdBatch:
+    """Everything ``submit_ads`` checks before it writes, with no job table needed (``check_ads``);
+    raises ``BatchInvalid`` when a row or the template has a problem."""
+    ads = check_ads(path, template_path, opts)
+    if ads.errors:
+        raise invalid(ads)
+    return ads
+
+
 ASSETS = "_assets"  # the storage root's folder of ad files, by content (a batch name starts with a letter or digit)
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9]{1,8}")
 
@@ -75,14 +84,12 @@ def store_assets(ads: rows.AdBatch, out: str) -> dict[str, str]:
 
 def submit_ads(db: Database, path: str | Path, template_path: str | Path, opts: SubmitOptions,
                ads: rows.AdBatch | None = None) -> AdSubmitResult:
-    """Check everything (``check_ads``, unless ``ads`` is its result), then write the batch,
-    its ads and their shot jobs; with any problem, raise ``BatchInvalid`` and write nothing.
-    The batch keeps the template's text and a copy of each file its ads use (``store_assets``):
-    assembly reads those, not the files at their paths."""
+    """Check everything (``check_ad_submission``, unless ``ads`` is its result), then write the
+    batch, its ads and their shot jobs; with any problem, raise ``BatchInvalid`` and write
+    nothing. The batch keeps the template's text and a copy of each file its ads use
+    (``store_assets``): assembly reads those, not the files at their paths."""
     if ads is None:
-        ads = check_ads(path, template_path, opts)
-    if ads.errors:
-        raise invalid(ads)
+        ads = check_ad_submission(path, template_path, opts)
     notify = opts.notify or ads.template.notify  # --notify, else the template's
     info = check_model(opts.model)
     assets = store_assets(ads, opts.out)  # before the batch is written: a batch never names a missing copy

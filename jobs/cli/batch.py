@@ -34,21 +34,16 @@ def _problems(checked, valid: str) -> None:
 
 def _submit(path: str, opts, farm: bool = False, ad_template: str | None = None):
     """Submit a prompt batch, or with ``ad_template`` an ad batch; in farm mode, send its jobs."""
-    from clipmill.jobs.ads.submit import check_ads, invalid, submit_ads
+    from clipmill.jobs.ads.submit import check_ad_submission, submit_ads
     from clipmill.jobs.core.batches import check_submission, submit
     from clipmill.jobs.core.prompts import BatchInvalid
 
     try:
         with domain_errors():  # every check before the job table is opened: bad input creates no clipmill.db
-            if ad_template:
-                ads = check_ads(path, ad_template, opts)
-                if ads.errors:
-                    raise invalid(ads)
-            else:
-                checked = check_submission(path, opts)
+            checked = check_ad_submission(path, ad_template, opts) if ad_template else check_submission(path, opts)
         db = open_db()
         with domain_errors():
-            res = (submit_ads(db, path, ad_template, opts, ads=ads) if ad_template
+            res = (submit_ads(db, path, ad_template, opts, ads=checked) if ad_template
                    else submit(db, path, opts, checked=checked))
     except BatchInvalid as e:
         _report(e.batch)

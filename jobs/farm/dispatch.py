@@ -113,13 +113,13 @@ def reconcile(db: Database, stale_s: float = 600) -> dict:
             Job.state == JobState.QUEUED.value, or_(Job.enqueued_at.is_(None), Job.enqueued_at < cutoff)
         ).order_by(Job.priority.desc(), Job.id)))
     sent = send_render(db, ids) if ids else 0
-    posts = assembles = notifies = 0
+    posted: list[int] = []  # jobs whose post message went out: marked once, also when the broker fails midway
+    assembles = notifies = 0
     try:
         # not one a run for each attempt waiting: a post queue with a backlog would fill with repeats
         for attempt_id, job_id in posts_due(db, cutoff):
             send_post(attempt_id)
-            mark_sent(db, [job_id])
-            posts += 1
+            posted.append(job_id)
         for ad_id in unassembled(db):
             send_assemble(ad_id)
             assembles += 1
@@ -128,7 +128,10 @@ def reconcile(db: Database, stale_s: float = 600) -> dict:
             notifies += 1
     except (KombuError, RedisError, OSError) as e:  # as send_render's: the caller says so and tries again later
         raise BrokerDown(str(e) or e.__class__.__name__) from e
-    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": posts, "assemble_sent": assembles,
+    finally:
+        if posted:
+            mark_sent(db, posted)
+    return {"taken_back": len(taken_back), "render_sent": sent, "post_sent": len(posted), "assemble_sent": assembles,
             "notify_sent": notifies}
 
 

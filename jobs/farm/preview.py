@@ -41,8 +41,8 @@ from redis.exceptions import RedisError
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.farm.dispatch import BrokerDown, send_render
-from clipmill.jobs.review.preview import (BATCH_TIER, PreviewError, SessionTable, check_prompt, check_seed, jpeg, new_id,
-                                          new_session, payload, queue_prompt, record_end, record_open, record_start)
+from clipmill.jobs.review.preview import (PreviewError, SessionTable, check_prompt, check_seed, jpeg, new_id, new_session,
+                                          payload, queue_once, record_end, record_open, record_start)
 from clipmill.pipeline.pacing import Pacer
 
 log = logging.getLogger("clipmill.preview")
@@ -212,8 +212,8 @@ class FarmSession:
     def __init__(self, ch: Channel, prompt: str, seed: int):
         self.ch, self.id, self.seed = ch, ch.sid, seed
         self.prompt, self.frames, self.closed = prompt, 0, False
-        self.queued: dict | None = None  # what "Queue this" made of it: a second click answers the same
-        self.lock = threading.Lock()
+        self.queued: dict | None = None  # what "Queue this" made of it (queue_once)
+        self.queue_lock = threading.Lock()
         self.last = "0-0"
         self.meta: dict = {}
         self.opened = self.last_frame = time.monotonic()
@@ -311,11 +311,9 @@ class FarmPreviews(SessionTable):
     def queue(self, db: Database, sid: str, tier: str) -> dict:
         """Queue the session's prompt, with its seed and ``tier``, as a one-job batch, and send
         it to the render queue."""
-        s = self.get(sid)
-        with s.lock:  # a double click queues the clip once
-            if s.queued is not None and (s.queued["prompt"], s.queued["tier"]) == (s.prompt, BATCH_TIER.get(tier)):
-                return s.queued
-            s.queued = res = queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
+        res, made = queue_once(db, self.get(sid), tier, self.model, self.out)
+        if not made:
+            return res
         try:
             send_render(db, res["jobs"])
         except BrokerDown as e:

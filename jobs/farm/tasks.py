@@ -148,9 +148,6 @@ def reconcile(self: WorkerTask, stale_s: float = 600) -> dict:
     return res
 
 
-# Acked when it starts, not when it ends: a run of hours must not come back when the broker's
-# visibility timeout expires. If its worker dies, the night goes on without tier changes or a
-# report; `clipmill nightly` can be started by hand.
 # Set when this worker starts a warm shutdown (SIGTERM: `docker stop`, systemd): the nightly
 # task, which would otherwise hold its post thread, and the shutdown, until its deadline hours
 # away, writes its report and returns. The post pool runs on threads, so the flag is seen.
@@ -162,6 +159,9 @@ def _shutting_down(**_kwargs) -> None:
     SHUTTING_DOWN.set()
 
 
+# Acked when it starts, not when it ends: a run of hours must not come back when the broker's
+# visibility timeout expires. If its worker dies, the night goes on without tier changes or a
+# report; `clipmill nightly` can be started by hand.
 @app.task(name="clipmill.nightly", base=WorkerTask, bind=True, acks_late=False)
 def nightly(self: WorkerTask, deadline: str = "07:00", out: str | None = None, interval: float = 30.0) -> dict:
     """The nightly run started by beat: farm.nightly's supervisor until ``deadline`` (HH:MM in

@@ -57,8 +57,9 @@ class Session:
     pending_prompt: str | None = None
     closed: bool = False
     ended: str | None = None  # why it ended, when not at its own page's request (the page is told)
-    queued: dict | None = None  # what "Queue this" made of it: a second click answers the same
+    queued: dict | None = None  # what "Queue this" made of it (queue_once)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    queue_lock: threading.Lock = field(default_factory=threading.Lock)  # apart: a submit never holds up a frame
 
     @property
     def prompt(self) -> str:
@@ -223,11 +224,7 @@ class Previews(SessionTable):
 
     def queue(self, db: Database, sid: str, tier: str) -> dict:
         """Queue the session's prompt, with its seed and ``tier``, as a one-job batch."""
-        s = self.get(sid)
-        with s.lock:  # a double click queues the clip once
-            if s.queued is None or (s.queued["prompt"], s.queued["tier"]) != (s.prompt, BATCH_TIER.get(tier)):
-                s.queued = queue_prompt(db, s.prompt, s.seed, tier, self.model, self.out)
-            return s.queued
+        return queue_once(db, self.get(sid), tier, self.model, self.out)[0]
 
     def steer(self, sid: str, prompt: str) -> dict:
         s = self.get(sid)
@@ -283,6 +280,17 @@ def jpeg(image: np.ndarray, side: int = 256) -> bytes:
     big = cv2.resize(image, (side, side), interpolation=cv2.INTER_NEAREST)
     ok, buf = cv2.imencode(".jpg", cv2.cvtColor(big, cv2.COLOR_RGB2BGR), [cv2.IMWRITE_JPEG_QUALITY, 85])
     return buf.tobytes()
+
+
+def queue_once(db: Database, s, tier: str, model: str, out: str) -> tuple[dict, bool]:
+    """What "Queue this" makes of session ``s`` (embedded or farm): its prompt, seed and ``tier``
+    as a one-job batch, once per prompt and tier (a double click answers the same batch); and
+    whether it was made now."""
+    with s.queue_lock:
+        if s.queued is not None and (s.queued["prompt"], s.queued["tier"]) == (s.prompt, BATCH_TIER.get(tier)):
+            return s.queued, False
+        s.queued = queue_prompt(db, s.prompt, s.seed, tier, model, out)
+        return s.queued, True
 
 
 def queue_prompt(db: Database, prompt: str, seed: int, tier: str, model: str, out: str) -> dict:

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 from . import nets
 from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
-from .stages import (DecoderConfig, DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _mark_done,
-                     export_pipeline, save_checkpoint, train_decoder, train_teacher, train_text, train_vae)
+from .stages import (DecoderConfig, DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _done,
+                     _mark_done, export_pipeline, save_checkpoint, train_decoder, train_teacher, train_text, train_vae)
 
 STAGE_ORDER = ("vae", "text", "teacher", "student", "decoder")
 
@@ -165,8 +165,8 @@ def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[st
             raise ValueError(f"stage {s!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
     order = [s for s in STAGE_ORDER if s in stages]
     for i, name in enumerate(order):  # what a stage reads must be done, or run before it now
-        missing = [n for n in NEEDS.get(name, ()) if n not in order[:i] and not (root / n / "done").exists()]
-        if missing and not (root / name / "done").exists():
+        missing = [n for n in NEEDS.get(name, ()) if n not in order[:i] and not _done(root, n)]
+        if missing and not _done(root, name):
             raise ValueError(f"--stages {','.join(order)}: the {name} stage needs the {', '.join(missing)} stage(s), "
                              f"which {root} has not finished; add them to --stages")
     check_root(root, recipe)
