@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import cv2
@@ -20,7 +21,7 @@ import pytest
 from sqlalchemy import select
 
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import Job
+from clipmill.jobs.core.models import Job, PreviewSession
 from clipmill.qc.adherence import analyze
 from services import free_port, need_program, stop, wait_port
 
@@ -132,3 +133,54 @@ def test_preview_streams_follows_a_new_prompt_queues_it_and_frees_the_model(tmp_
         jobs = s.scalars(select(Job)).all()
     assert [(j.prompt, j.seed, j.tier, j.batch_id.startswith("preview-")) for j in jobs] == [(BLUE, 0, "quality", True)]
     db.dispose()
+
+
+def _server(tmp_path, port: int, **env_extra) -> tuple[subprocess.Popen, str]:
+    """A real `clipmill preview` server (embedded) on ``port``, and its database URL."""
+    db_url = f"sqlite:///{tmp_path / 'c.db'}"
+    env = dict(os.environ, CLIPMILL_DATABASE_URL=db_url, OMP_NUM_THREADS="1", CLIPMILL_OUT=str(tmp_path / "out"),
+               **env_extra)
+    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes",
+                               "--port", str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    return server, db_url
+
+
+def test_an_embedded_preview_ends_at_the_preview_time_limit_and_the_page_is_told(tmp_path):
+    """CLIPMILL_PREVIEW_MAX applies to the review server's own previews too: a page left open
+    does not stream all night; it is told why the stream ended, and the session's row ends."""
+    from playwright.sync_api import sync_playwright
+
+    chromium = need_program("chromium", "Debian's Chromium")
+    port = free_port()
+    server, db_url = _server(tmp_path, port, CLIPMILL_PREVIEW_MAX="4")
+    try:
+        wait_port(port, server, timeout=60)
+        url = f"http://127.0.0.1:{port}"
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+            page = browser.new_context(bypass_csp=True).new_page()  # the test evaluates its own probes
+            page.goto(url + "/preview?prompt=" + urllib.request.quote(RED))
+            page.wait_for_function("window.clipmillPreview.frames() >= 1", timeout=60000)
+            assert _active(url) == 1
+            page.wait_for_function("document.getElementById('message').textContent.includes('CLIPMILL_PREVIEW_MAX')",
+                                   timeout=60000)
+            told = page.text_content("#message")
+            assert told == ("this preview ended: its time on this review server is up (4 s, CLIPMILL_PREVIEW_MAX); "
+                            "press Stream to start again"), told
+            frames = page.evaluate("window.clipmillPreview.frames()")
+            page.wait_for_timeout(1000)
+            assert page.evaluate("window.clipmillPreview.frames()") == frames  # no frame after the end
+            assert _active(url) == 0  # the stream is off the model
+            browser.close()
+    finally:
+        stop(server)
+    db = Database(db_url)
+    with db.session() as s:
+        row = s.scalars(select(PreviewSession)).one()
+    db.dispose()
+    assert row.mode == "embedded" and row.ended_at is not None and row.frames >= 3
+    assert row.ended == "its time on this review server is up (4 s, CLIPMILL_PREVIEW_MAX); press Stream to start again"
+    took = (row.ended_at - row.started_at).total_seconds()
+    assert 4.0 <= took < 10.0, took
+

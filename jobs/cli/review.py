@@ -26,7 +26,8 @@ def review(batch, host, port, token):
     decline, and re-render one shot with a new seed, which reassembles its ad (in this
     process, or by the farm when CLIPMILL_BROKER_URL is set; CLIPMILL_QC_CONFIG sets QC).
     /preview streams a prompt as you write it (see clipmill preview): in this process, or on
-    a farm render worker when CLIPMILL_BROKER_URL is set.
+    a farm render worker when CLIPMILL_BROKER_URL is set; for CLIPMILL_PREVIEW_MAX seconds at
+    most (900; 0: no limit).
 
     \b
     Example:
@@ -76,7 +77,7 @@ def _serve(db, host: str, port: int, token: str | None, batch: str | None, model
 
         previews = FarmPreviews(env.broker_url, db, model, env.out)
     else:
-        previews = Previews(renderer, model, env.out, db=db)
+        previews = Previews(renderer, model, env.out, db=db, max_s=env.preview_max_s)
     serve(db, host, port, token, batch, send_render, runner, previews)
 
 
@@ -90,7 +91,8 @@ def preview(prompt, model, port):
     follow it; "Queue this" adds it (with its seed and tier) to the job table as a batch.
 
     The page is the review server's /preview (Server-Sent Events); closing it stops the stream
-    and frees the model. Steps per frame follow a frame-time budget (pipeline.adaptive). With
+    and frees the model, and so does CLIPMILL_PREVIEW_MAX (seconds a preview streams, 900;
+    0: no limit). Steps per frame follow a frame-time budget (pipeline.adaptive). With
     CLIPMILL_BROKER_URL set, the stream runs on a farm render worker (the preview queue, served
     first between groups) and its frames come through Redis; without it, in this process.
 

@@ -28,7 +28,7 @@ ones, ``CLIPMILL_MODEL``, ``CLIPMILL_LOG_JSON``, ``CLIPMILL_REVIEW_TOKEN``); out
 | CLIPMILL_NIGHTLY_DEADLINE | beat: HH:MM the nightly run drains the queue by | 07:00 |
 | CLIPMILL_QC_CONFIG | a TOML file of QC thresholds: post workers', and run's default --qc-config | unset |
 | CLIPMILL_NOTIFY_SECRET | the HMAC-SHA256 key that signs --notify callbacks | unset (unsigned) |
-| CLIPMILL_PREVIEW_MAX | farm: seconds a preview may hold a render worker before it ends (0: no limit) | 900 |
+| CLIPMILL_PREVIEW_MAX | seconds a preview streams (on a render worker, or in the review server) before it ends (0: no limit) | 900 |
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Settings:
     nightly_deadline: str = "07:00"
     qc_config: str | None = None  # a TOML file of QC thresholds: a post worker's, and the default --qc-config
     notify_secret: str | None = None  # signs the batch-finished callbacks (core.notify)
-    preview_max_s: float = 900.0  # a farm preview ends after this long (a page left open overnight)
+    preview_max_s: float = 900.0  # a preview (farm or embedded) ends after this long (a page left open overnight)
 
     @property
     def farm(self) -> bool:

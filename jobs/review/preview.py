@@ -4,8 +4,9 @@ Embedded (no broker), one preview streams at a time in the review server's proce
 is shared): a session holds a ``pipeline.stream.StreamBatch`` and a
 ``pipeline.adaptive.FrameScheduler`` that sets the steps of every call from the measured frame
 times. The page steers the prompt of the running session, and can queue it (prompt, seed, tier)
-as a one-job batch. A session ends when its page goes away: the stream's hook comes off the
-model and the next preview may start. In farm mode the same session runs on a render worker
+as a one-job batch. A session ends when its page goes away, or after ``max_s`` seconds
+(``CLIPMILL_PREVIEW_MAX``: a page left open does not stream all night; the page is told why):
+the stream's hook comes off the model and the next preview may start. In farm mode the same session runs on a render worker
 between its groups, and its frames come to the page through Redis (``jobs.farm.preview``).
 
 Every preview is kept in ``preview_sessions`` (when it started and ended, where, its frames):
@@ -58,6 +59,7 @@ class Session:
     closed: bool = False
     ended: str | None = None  # why it ended, when not at its own page's request (the page is told)
     queued: dict | None = None  # what "Queue this" made of it (queue_once)
+    max_s: float = 0.0  # it ends itself after this long (0: no limit; farm workers keep their own)
     lock: threading.Lock = field(default_factory=threading.Lock)
     queue_lock: threading.Lock = field(default_factory=threading.Lock)  # apart: a submit never holds up a frame
 
@@ -91,11 +93,17 @@ class Session:
         """Render ahead in a thread of its own into a small queue (one window of frames), so a
         call that finishes several frames at once does not stall their delivery at the budget."""
         self.frames_q: queue.Queue = queue.Queue(maxsize=self.stream.window)
+        self.started = time.monotonic()
         self._producer = threading.Thread(target=self._produce, name=f"clipmill-preview-{self.id}", daemon=True)
         self._producer.start()
 
     def _produce(self) -> None:
         while not self.closed:
+            if self.max_s and time.monotonic() - self.started > self.max_s:
+                self.ended = self.ended or (f"its time on this review server is up ({self.max_s:g} s, "
+                                            "CLIPMILL_PREVIEW_MAX); press Stream to start again")
+                self.close()  # the page's stream sees it closed and says why (Session.ended)
+                return
             try:
                 frames, info = self.step()
             except Exception as e:  # noqa: BLE001 - the page is told, the session ends
@@ -148,11 +156,13 @@ class Session:
                 self.stream.close()
 
 
-def new_session(renderer, prompt: str, seed: int, budget_s: float, sid: str | None = None) -> Session:
-    """A started preview session of ``prompt`` on ``renderer`` at the frame-time budget."""
+def new_session(renderer, prompt: str, seed: int, budget_s: float, sid: str | None = None,
+                max_s: float = 0.0) -> Session:
+    """A started preview session of ``prompt`` on ``renderer`` at the frame-time budget, that
+    ends itself after ``max_s`` seconds (0: no limit)."""
     sched = FrameScheduler(PREVIEW_TIERS, AdaptiveConfig(budget_s=budget_s))
     stream = StreamBatch(renderer, prompt, seed=seed, steps=PREVIEW_TIERS[0].min_steps)
-    session = Session(sid or new_id(), stream, sched, seed)
+    session = Session(sid or new_id(), stream, sched, seed, max_s=max_s)
     session.start()
     return session
 
@@ -182,16 +192,18 @@ class SessionTable:
 
 class Previews(SessionTable):
     """The process's preview sessions (embedded mode): at most one streaming, the renderer
-    loaded once. ``db``: where the sessions are recorded (see the module)."""
+    loaded once, each for at most ``max_s`` seconds (``CLIPMILL_PREVIEW_MAX``; 0: no limit).
+    ``db``: where the sessions are recorded (see the module)."""
 
     pace_s: float  # the review server sends frames at this interval (they are rendered ahead here)
 
     def __init__(self, make_renderer: Callable[[], object], model: str, out: str, budget_s: float = 0.125,
-                 db: Database | None = None):
+                 db: Database | None = None, max_s: float = 900.0):
         self._make_renderer = make_renderer
         self._renderer = None
         self.model, self.out = model, out  # what "Queue this" submits with
         self.budget_s = self.pace_s = budget_s
+        self.max_s = max_s
         self.db = db
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -204,18 +216,17 @@ class Previews(SessionTable):
             self.sessions.clear()
             if self._renderer is None:
                 self._renderer = self._make_renderer()
-            session = new_session(self._renderer, prompt, seed, self.budget_s)
+            session = new_session(self._renderer, prompt, seed, self.budget_s, max_s=self.max_s)
             self.sessions[session.id] = session
             if self.db is not None:
                 record_open(self.db, session.id, self.model, "embedded", worker=worker_name())
             return session
 
     def _end(self, s: Session, why: str) -> None:
-        was_open = not s.closed
-        s.ended = s.ended or why
+        s.ended = s.ended or why  # a session that ended itself (its time limit) keeps its reason
         s.close()
-        if was_open and self.db is not None:
-            record_end(self.db, s.id, s.frames, why)
+        if self.db is not None:  # once: a row already ended keeps its end
+            record_end(self.db, s.id, s.frames, s.ended)
 
     def close(self, sid: str, why: str = "the page closed") -> None:
         s = self.sessions.pop(sid, None)
