@@ -184,3 +184,55 @@ def test_an_embedded_preview_ends_at_the_preview_time_limit_and_the_page_is_told
     took = (row.ended_at - row.started_at).total_seconds()
     assert 4.0 <= took < 10.0, took
 
+
+def _get(url: str, headers: dict) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return r.status, r.read(200).decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_another_sites_page_cannot_start_steer_or_queue_a_preview(tmp_path):
+    """The preview server has no token on loopback: a page of another origin that the operator
+    visits must not make their browser start a stream (EventSource, fetch, img), steer one or
+    queue one. Real HTTP requests with a browser's headers to a real server: 403, no session."""
+    port = free_port()
+    server, db_url = _server(tmp_path, port)
+    try:
+        wait_port(port, server, timeout=60)
+        url = f"http://127.0.0.1:{port}"
+        stream = url + "/preview/stream?prompt=" + urllib.request.quote(RED)
+        for headers in ({"Origin": "http://evil.example"},  # an EventSource or fetch of another origin
+                        {"Origin": f"http://127.0.0.1:{port + 1}"},  # another server on this machine
+                        {"Origin": "null"},  # a sandboxed frame, a file
+                        {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"},  # an <img>, a link
+                        {"Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "no-cors"}):
+            status, body = _get(stream, headers)
+            assert status == 403, (headers, status, body)
+            assert "refused: only this server's own pages" in body, body
+            assert _active(url) == 0
+        status, body = _get(stream, {"Origin": "http://evil.example"})
+        assert "cross-site request from http://evil.example refused" in body, body
+        # this server's own page passes the check (and the seed's, which fails before any model loads)
+        status, body = _get(stream + "&seed=-1", {"Origin": url, "Sec-Fetch-Site": "same-origin"})
+        assert status == 400 and "seed -1: allowed an integer from 0 to 4294967295" in body, body
+        # steer and queue: refused for another origin even with the page's CSRF cookie and token
+        with urllib.request.urlopen(url + "/preview") as r:
+            csrf = r.headers["set-cookie"].split("clipmill_csrf=")[1].split(";")[0]
+        for path, form in (("/preview/x/prompt", {"prompt": BLUE}), ("/preview/x/queue", {"tier": "fast"})):
+            req = urllib.request.Request(url + path, data=urllib.parse.urlencode(dict(form, csrf=csrf)).encode(),
+                                         headers={"Cookie": f"clipmill_csrf={csrf}", "Origin": "http://evil.example"})
+            try:
+                urllib.request.urlopen(req)
+                raise AssertionError(f"{path}: a cross-site POST was accepted")
+            except urllib.error.HTTPError as e:
+                assert e.code == 403 and "cross-site request from http://evil.example refused" in e.read().decode()
+        assert _active(url) == 0
+    finally:
+        stop(server)
+    db = Database(db_url)
+    with db.session() as s:
+        assert s.scalars(select(PreviewSession)).all() == []  # no session was started, none recorded
+        assert s.scalars(select(Job)).all() == []
+    db.dispose()

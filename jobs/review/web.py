@@ -6,6 +6,10 @@ Security:
   ``Authorization: Bearer`` header), else 401;
 - state changes are POSTs that carry a CSRF token equal to the page's cookie, and whose Origin
   (when the browser sends one) is this server;
+- a preview stream (a render session, started by a GET: an EventSource cannot POST) starts only
+  for this server's own pages: a request whose Origin is another, or with no Origin whose
+  Sec-Fetch-Site is neither same-origin nor none, is a 403 (another site's page cannot make the operator's
+  browser start, steer or queue a preview on the loopback server, which has no token);
 - files are served by job id and attempt number, from keys in the job table, and only when the
   resolved path lies under that batch's storage root.
 """
@@ -56,6 +60,24 @@ def _same(given: str, token: str) -> bool:
     token typed with another character raised (a 500 instead of a 401)."""
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
+
+def same_origin(request: Request) -> None:
+    """Refuse (403) a request that another site's page made the browser send: its Origin must be
+    this server's host:port; without an Origin (a browser's GET from its own page, an address
+    typed, a client that is no browser), Sec-Fetch-Site, when sent, must be same-origin or none."""
+    host = request.headers.get("host", "")
+    origin = request.headers.get("origin")
+    if origin is not None:
+        if urlsplit(origin).netloc != host:
+            raise HTTPException(403, f"cross-site request from {origin} refused: only this server's own pages "
+                                     f"({host}) may do that")
+        return
+    site = request.headers.get("sec-fetch-site")
+    if site not in (None, "same-origin", "none"):
+        raise HTTPException(403, f"{site} request (Sec-Fetch-Site: {site}) refused: only this server's own "
+                                 f"pages ({host}) may do that")
+
+
 def create_app(db: Database, token: str | None = None, default_batch: str | None = None,
                send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
                previews: Previews | None = None) -> FastAPI:
@@ -104,9 +126,7 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
         cookie = request.cookies.get(CSRF_COOKIE) or ""
         if not cookie or not hmac.compare_digest(cookie, csrf):
             raise HTTPException(403, "CSRF token missing or wrong; reload the page")
-        origin = request.headers.get("origin")
-        if origin and urlsplit(origin).netloc != request.headers.get("host"):
-            raise HTTPException(403, f"cross-site request from {origin} refused")
+        same_origin(request)
 
     def answer(request: Request, call: Callable[[], dict]):
         try:
@@ -189,8 +209,10 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
     @app.get("/preview/stream")
     async def preview_stream(request: Request, prompt: str, seed: int = 0):
         """Server-Sent Events: one ``session`` event, then a ``frame`` event per frame (JPEG as
-        base64, index, prompt, steps, tier); the stream ends when the page goes away."""
+        base64, index, prompt, steps, tier); the stream ends when the page goes away. Only
+        this server's own page may start one (same_origin)."""
         need_previews()
+        same_origin(request)
         try:
             session = await asyncio.to_thread(previews.open, prompt, seed)
         except PreviewError as e:
