@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import func, select
@@ -124,7 +125,7 @@ def test_the_worker_side_of_a_farm_preview_refuses_ends_and_reports(broker, sqli
     import redis
 
     from clipmill.jobs.core.db import Database
-    from clipmill.jobs.farm.preview import Channel, FarmSession, serve
+    from clipmill.jobs.farm.preview import PAGE_GONE, Channel, FarmSession, serve
     from clipmill.jobs.review.preview import record_open
     from clipmill.jobs.runner.stages import WorkerContext
 
@@ -138,7 +139,8 @@ def test_the_worker_side_of_a_farm_preview_refuses_ends_and_reports(broker, sqli
         gone.close()
         assert serve(ctx, r, "gone", "w:1", 5) == {"served": False}
         with db.session() as s:
-            assert s.get(PreviewSession, "gone").started_at is None
+            row = s.get(PreviewSession, "gone")
+            assert row.started_at is None and row.ended == PAGE_GONE and row.ended_at is not None
 
         ch = Channel(r, "s1")
         ch.create(RED, 3, "tiny", 0.05)
@@ -235,3 +237,53 @@ def test_the_review_side_of_a_farm_preview_waits_steers_queues_and_closes(broker
             down.open(RED)
     finally:
         db.dispose()
+
+
+def test_a_farm_preview_whose_review_server_was_killed_while_it_waited_is_ended_by_the_worker(farm, broker,
+                                                                                               tmp_path):
+    """The review server is killed (SIGKILL: no close, no cleanup) while its preview waits for a
+    render worker. The worker that later takes the message finds no heartbeat and ends the row,
+    so no preview_sessions row is left open by a crash, and the nightly counts nothing for it."""
+    import redis
+
+    from clipmill.jobs.farm.nightly import preview_seconds
+    from clipmill.jobs.farm.preview import Channel
+
+    env, start, cli, db = farm
+    r = redis.Redis.from_url(broker)
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes",
+                               "--port", str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_port(port, server, timeout=60)
+        stream = urllib.request.urlopen(f"http://127.0.0.1:{port}/preview/stream?prompt=" + urllib.request.quote(RED),
+                                        timeout=30)
+        assert stream.readline() == b"event: session\n"
+        sid = json.loads(stream.readline().decode().removeprefix("data: "))["session"]
+        assert r.llen("preview") == 1  # the message waits: no render worker is up
+        server.kill()  # the review server dies: nobody will close the page's session
+        server.wait(10)
+        stream.close()
+    finally:
+        stop(server)
+    ch = Channel(r, sid)
+    _poll("the heartbeat's expiry", lambda: not r.exists(ch.alive_key), 10)
+    with db.session() as s:
+        row = s.get(PreviewSession, sid)
+        assert row.started_at is None and row.ended_at is None  # the state a crash leaves
+
+    start("--queues", "preview")  # a render worker comes up and takes the waiting message
+    _poll("the preview message taken", lambda: r.llen("preview") == 0, 120, every=0.2)
+    with db.session() as s:
+        def ended():
+            s.expire_all()
+            return s.get(PreviewSession, sid).ended_at
+        _poll("the row's end", ended, 15, every=0.1)
+        row = s.get(PreviewSession, sid)
+        assert row.started_at is None and row.frames == 0 and row.worker is None
+        assert row.ended == "its page was gone before a render worker took it (its review server stopped or it closed)"
+        asked = row.requested_at
+    assert preview_seconds(db, asked - timedelta(minutes=1), datetime.now(timezone.utc), 900) == 0.0
+    assert ch.info()["state"] == "ended" and r.ttl(ch.key) <= 60  # its keys go soon
+

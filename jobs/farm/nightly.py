@@ -45,7 +45,8 @@ def _aware(t: datetime) -> datetime:
 def preview_seconds(db: Database, since: datetime, until: datetime, max_s: float = 900.0) -> float:
     """Seconds of render time previews took between ``since`` and ``until``: each session from
     its start to its end, a session still open up to ``until`` (but never more than ``max_s``
-    after its start, the preview time limit: a row whose worker died is not counted forever)."""
+    after its start, the preview time limit: a row whose worker died is not counted forever).
+    A row never started (no worker took it: its page went while it waited) counts nothing."""
     with db.session() as s:
         rows = s.execute(select(PreviewSession.started_at, PreviewSession.ended_at).where(
             PreviewSession.started_at.is_not(None), PreviewSession.started_at < until,

@@ -42,7 +42,8 @@ from clipmill.jobs.core.db import Database
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.farm.dispatch import BrokerDown, send_render
 from clipmill.jobs.review.preview import (PreviewError, SessionTable, check_prompt, check_seed, jpeg, new_id, new_session,
-                                          payload, queue_once, record_end, record_open, record_start)
+                                          payload, queue_once, record_end, record_open, record_start,
+                                          record_unserved)
 from clipmill.pipeline.pacing import Pacer
 
 log = logging.getLogger("clipmill.preview")
@@ -52,6 +53,7 @@ ALIVE_S = 3.0  # the heartbeat's lifetime: the server refreshes it at least ever
 KEEP_FRAMES = 32
 KEEP_S = 3600  # the session's keys expire this long after their last write
 TOP = 0  # the Redis transport serves priority 0 first (farm.dispatch.broker_priority)
+PAGE_GONE = "its page was gone before a render worker took it (its review server stopped or it closed)"
 
 
 class Channel:
@@ -93,14 +95,14 @@ class Channel:
             p.execute()
 
     # -- the worker's side ---------------------------------------------------------------------
-    def claim(self, worker: str) -> bool:
-        """Take the preview for ``worker``: False if its page is gone or another worker has it."""
+    def claim(self, worker: str) -> str | None:
+        """Take the preview for ``worker``: None, or why not (PAGE_GONE, or another worker has it)."""
         if not self.r.exists(self.alive_key):
-            return False
+            return PAGE_GONE
         if not self.r.hsetnx(self.key, "worker", worker):
-            return False
+            return "another render worker has it"
         self.r.hset(self.key, "state", "starting")  # loading the model, filling the window
-        return True
+        return None
 
     def streaming(self) -> None:
         self.r.hset(self.key, "state", "streaming")
@@ -137,8 +139,13 @@ def serve(ctx, r: redis.Redis, sid: str, worker: str, max_s: float) -> dict:
     (0: no limit) or the stream fails; the worker's model is left as it was. What the render
     worker's ``clipmill.preview`` task runs."""
     ch = Channel(r, sid)
-    if not ch.claim(worker):
-        log.info("preview %s: its page is gone or another worker has it; nothing to do", sid)
+    refused = ch.claim(worker)
+    if refused is not None:
+        # its page went while it waited (a review server killed then left its row open): no
+        # worker started it, so no end would come; a started row is its worker's to end
+        if refused == PAGE_GONE and record_unserved(ctx.db, sid, PAGE_GONE):
+            ch.end(PAGE_GONE)
+        log.info("preview %s: %s; nothing to stream", sid, refused)
         return {"served": False}
     record_start(ctx.db, sid, worker)
     why, error, frames = "the page closed", False, 0

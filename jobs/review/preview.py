@@ -284,6 +284,17 @@ def record_end(db: Database, sid: str, frames: int, why: str) -> None:
             row.ended_at, row.frames, row.ended = utcnow(), frames, why[:200]
 
 
+def record_unserved(db: Database, sid: str, why: str) -> bool:
+    """End the row of a preview that no worker started (its page went while it waited: a row
+    left open by a review server that died); whether it did. A started row is its worker's to end."""
+    with db.session() as s, s.begin():
+        row = s.get(PreviewSession, sid)
+        if row is None or row.started_at is not None or row.ended_at is not None:
+            return False
+        row.ended_at, row.ended = utcnow(), why[:200]
+        return True
+
+
 def jpeg(image: np.ndarray, side: int = 256) -> bytes:
     """A frame as JPEG, scaled up (nearest) for the page."""
     import cv2
