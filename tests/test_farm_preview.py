@@ -287,3 +287,39 @@ def test_a_farm_preview_whose_review_server_was_killed_while_it_waited_is_ended_
     assert preview_seconds(db, asked - timedelta(minutes=1), datetime.now(timezone.utc), 900) == 0.0
     assert ch.info()["state"] == "ended" and r.ttl(ch.key) <= 60  # its keys go soon
 
+
+def test_steering_never_recreates_an_expired_session_hash_and_streaming_keeps_it(broker, app_on, sqlite_url,
+                                                                                   tmp_path, tiny_cache):
+    """A farm stream can outlive its session hash's KEEP_S expiry (CLIPMILL_PREVIEW_MAX above an
+    hour, or 0). Every frame the worker publishes renews the hash's expiry; steering renews it
+    too, and never writes into a hash that has expired (an HSET there made one with no expiry,
+    kept by Redis for ever)."""
+    import redis
+
+    from clipmill.jobs.core.db import Database
+    from clipmill.jobs.farm.preview import KEEP_S, Channel, FarmPreviews
+    from clipmill.jobs.review.preview import PreviewError
+
+    r = redis.Redis.from_url(broker)
+    db = Database(sqlite_url)
+    try:
+        previews = FarmPreviews(broker, db, "tiny", str(tmp_path / "out"))
+        s = previews.open(RED)
+        ch = Channel(r, s.id)
+        r.expire(ch.key, 5)  # late in its hour
+        previews.steer(s.id, BLUE)
+        assert ch.info()["prompt"] == BLUE and KEEP_S - 5 <= r.ttl(ch.key) <= KEEP_S
+        r.expire(ch.key, 5)
+        ch.publish(b"jpeg", {"index": 0, "prompt": BLUE})  # the worker's side: a frame keeps the hash
+        assert KEEP_S - 5 <= r.ttl(ch.key) <= KEEP_S and KEEP_S - 5 <= r.ttl(ch.frames_key) <= KEEP_S
+
+        r.pexpire(ch.key, 1)  # the hash expires
+        _poll("the hash's expiry", lambda: not r.exists(ch.key), 5)
+        with pytest.raises(PreviewError, match=rf"^preview {s.id}: its session expired on the broker"):
+            previews.steer(s.id, RED)
+        assert not r.exists(ch.key)  # not made again (without an expiry)
+        ch.publish(b"jpeg", {"index": 1, "prompt": BLUE})
+        assert not r.exists(ch.key)
+        previews.close(s.id)
+    finally:
+        db.dispose()

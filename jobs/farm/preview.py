@@ -12,7 +12,8 @@ Redis keys, all under ``clipmill:preview:SID``:
 
 - ``SID`` (hash): what the page asked for (prompt, seed, model, budget) and where it stands
   (state waiting / starting / streaming / ended, the worker, why it ended). The page's steering writes the
-  prompt here; the worker reads it before every frame.
+  prompt here; the worker reads it before every frame. Every frame and every steer renews its
+  expiry, and a steer never writes into a hash that has expired (it would live for ever).
 - ``SID:alive``: the page's heartbeat, refreshed by the review server while the page is open
   and gone ``ALIVE_S`` seconds after it stops. No heartbeat, no stream: a worker that finds it
   missing (the page closed while the message waited, or since) ends the preview at once and is
@@ -54,6 +55,11 @@ KEEP_FRAMES = 32
 KEEP_S = 3600  # the session's keys expire this long after their last write
 TOP = 0  # the Redis transport serves priority 0 first (farm.dispatch.broker_priority)
 PAGE_GONE = "its page was gone before a render worker took it (its review server stopped or it closed)"
+# the prompt into the session's hash with its expiry renewed, in one step; nothing if it expired
+STEER = """if redis.call('exists', KEYS[1]) == 0 then return 0 end
+redis.call('hset', KEYS[1], 'prompt', ARGV[1])
+redis.call('expire', KEYS[1], ARGV[2])
+return 1"""
 
 
 class Channel:
@@ -76,8 +82,9 @@ class Channel:
     def heartbeat(self) -> None:
         self.r.set(self.alive_key, 1, px=int(ALIVE_S * 1000))
 
-    def steer(self, prompt: str) -> None:
-        self.r.hset(self.key, "prompt", prompt)
+    def steer(self, prompt: str) -> bool:
+        """Steer the stream to ``prompt``; False when the session's hash has expired."""
+        return bool(self.r.eval(STEER, 1, self.key, prompt, KEEP_S))
 
     def read(self, after: str, block_ms: int) -> tuple[str, dict] | None:
         """The frame after stream id ``after`` (waiting up to ``block_ms`` for it): its id and fields."""
@@ -120,6 +127,7 @@ class Channel:
             p.xadd(self.frames_key, {"jpeg": jpeg_bytes, "meta": json.dumps(meta)}, maxlen=KEEP_FRAMES,
                    approximate=True)
             p.expire(self.frames_key, KEEP_S)
+            p.expire(self.key, KEEP_S)  # a stream may outlive KEEP_S: its hash lives as long (no-op once gone)
             p.execute()
 
     def end(self, why: str, error: bool = False) -> None:
@@ -311,8 +319,15 @@ class FarmPreviews(SessionTable):
 
     def steer(self, sid: str, prompt: str) -> dict:
         s = self.get(sid)
-        s.prompt = check_prompt(prompt)
-        s.ch.steer(s.prompt)
+        prompt = check_prompt(prompt)
+        try:
+            kept = s.ch.steer(prompt)
+        except RedisError as e:
+            raise PreviewError(f"preview {sid}: the broker is unreachable ({e}); the prompt was not sent")
+        if not kept:
+            raise PreviewError(f"preview {sid}: its session expired on the broker (after {KEEP_S} s without a "
+                               "frame or a steer); press Stream to start again")
+        s.prompt = prompt
         return {"session": sid, "prompt": s.prompt}
 
     def queue(self, db: Database, sid: str, tier: str) -> dict:
