@@ -214,6 +214,14 @@ def test_another_sites_page_cannot_start_steer_or_queue_a_preview(tmp_path):
             assert _active(url) == 0
         status, body = _get(stream, {"Origin": "http://evil.example"})
         assert "cross-site request from http://evil.example refused" in body, body
+        # DNS rebinding: another site's name pointed at 127.0.0.1 is its page's own origin; a
+        # server without a token answers only to loopback names, on every path
+        for path in ("/preview/stream?prompt=" + urllib.request.quote(RED), "/api/preview", "/"):
+            status, body = _get(url + path, {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"})
+            assert status == 403 and body.startswith(f"403: Host 'evil.example:{port}' refused: this review server "
+                                                     "has no token"), (path, status, body)
+        assert _get(url + "/api/preview", {"Host": f"localhost:{port}"})[0] == 200
+        assert _active(url) == 0
         # this server's own page passes the check (and the seed's, which fails before any model loads)
         status, body = _get(stream + "&seed=-1", {"Origin": url, "Sec-Fetch-Site": "same-origin"})
         assert status == 400 and "seed -1: allowed an integer from 0 to 4294967295" in body, body

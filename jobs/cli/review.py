@@ -7,8 +7,7 @@ import os
 import click
 
 from clipmill.jobs.cli.common import EXIT_JOB_FAILED, BadInput, domain_errors, err, open_db, out
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+from clipmill.jobs.review import LOOPBACK
 
 
 @click.command()

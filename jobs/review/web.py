@@ -6,6 +6,8 @@ Security:
   ``Authorization: Bearer`` header), else 401;
 - state changes are POSTs that carry a CSRF token equal to the page's cookie, and whose Origin
   (when the browser sends one) is this server;
+- without a token it answers only requests whose Host is a loopback name (127.0.0.1, localhost,
+  [::1]): a page whose own name was pointed at 127.0.0.1 (DNS rebinding) gets a 403;
 - a preview stream (a render session, started by a GET: an EventSource cannot POST) starts only
   for this server's own pages: a request whose Origin is another, or with no Origin whose
   Sec-Fetch-Site is neither same-origin nor none, is a 403 (another site's page cannot make the operator's
@@ -37,6 +39,7 @@ from clipmill.jobs.core.models import Batch
 from clipmill.jobs.core.preflight import BadOption
 from clipmill.jobs.core.prompts import BatchInvalid
 from clipmill.jobs.core.queue import now
+from clipmill.jobs.review import LOOPBACK
 from clipmill.jobs.review import ads as ad_review
 from clipmill.jobs.review.decisions import (FILTERS, SORTS, DecisionConflict, ReviewError, View, decide, decide_many,
                                             last_decision_id, matching, media_key, operator_summary, page_of)
@@ -78,6 +81,19 @@ def same_origin(request: Request) -> None:
                                  f"pages ({host}) may do that")
 
 
+def loopback_host(request: Request) -> str | None:
+    """Why a request to a server without a token is refused, or None: such a server binds to
+    loopback only (``clipmill review`` refuses another address without one), so the Host a
+    browser names must be a loopback name. Another name that resolves here is DNS rebinding: a
+    site whose name is pointed at 127.0.0.1 after its page loaded would be its own origin."""
+    host = request.headers.get("host", "")
+    name = urlsplit("//" + host).hostname if host else None
+    if name in LOOPBACK:
+        return None
+    return (f"403: Host {host!r} refused: this review server has no token, so it answers only to "
+            f"{', '.join(LOOPBACK)} (start it with --token to serve other names)\n")
+
+
 def create_app(db: Database, token: str | None = None, default_batch: str | None = None,
                send_render: Callable[[list[int]], str] | None = None, runner: BackgroundRunner | None = None,
                previews: Previews | None = None) -> FastAPI:
@@ -90,6 +106,8 @@ def create_app(db: Database, token: str | None = None, default_batch: str | None
 
     @app.middleware("http")
     async def require_token(request: Request, call_next):
+        if not token and (refused := loopback_host(request)):
+            return Response(refused, status_code=403, media_type="text/plain")
         if token:
             given = request.cookies.get(TOKEN_COOKIE) or ""
             auth = request.headers.get("authorization", "")
