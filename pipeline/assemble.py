@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from . import i420
+from .video import local
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")
@@ -268,7 +269,7 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
     import cv2
 
     w, h = i420.check_size(size)
-    with av.open(str(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
+    with av.open(local(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
         vs = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"
         opts = {"preset": d.preset, "profile": d.profile, "level": d.level}
@@ -308,13 +309,13 @@ def probe_av(path: str | Path) -> dict:
     and samples, as stored (for delivery checks and ad QC)."""
     import av
 
-    with av.open(str(path)) as c:
+    with av.open(local(path)) as c:
         v = c.streams.video[0]
         fps = float(v.average_rate or v.guessed_rate or 0)
         n = sum(1 for p in c.demux(v) if p.size)
         info = {"width": v.codec_context.width, "height": v.codec_context.height, "fps": fps, "frames": n,
                 "seconds": n / fps if fps else 0.0, "profile": v.codec_context.profile, "bytes": os.path.getsize(path)}
-    with av.open(str(path)) as c:
+    with av.open(local(path)) as c:
         if c.streams.audio:
             a = c.streams.audio[0]
             samples, chunks = 0, []

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .video import local
+
 RATE = 48000
 CHANNELS = 2
 
@@ -24,7 +26,7 @@ def load(path: str | Path, rate: int = RATE) -> np.ndarray:
     import av
 
     try:
-        with av.open(str(path)) as container:
+        with av.open(local(path)) as container:
             stream = container.streams.audio[0]
             resampler = av.AudioResampler(format="fltp", layout="stereo", rate=rate)
             chunks = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from fractions import Fraction
 from pathlib import Path
 
@@ -11,14 +12,28 @@ CODEC = "libx264"
 PIX_FMT = "yuv420p"  # what browsers play
 
 
+STILL_FORMATS = ("image2", "png_pipe", "jpeg_pipe", "webp_pipe", "bmp_pipe", "tiff_pipe", "gif")  # pictures, not clips
+PREALLOC_BYTES = 1 << 30  # decode fills at most this much in place from the stated frame count
+MAX_HOLD_FRAMES = 100_000  # a variable-rate clip's frames at its constant rate: more means broken timestamps
+
+
 class VideoError(ValueError):
     """A file that cannot be read as video."""
+
+
+def local(path: str | Path) -> str:
+    """``path`` as FFmpeg's name of a local file: ``file:`` and the absolute path. A bare name is
+    read as a URL, so a name with a colon (``take1:final.mp4``, an ISO time) was taken for a
+    protocol ("Protocol not found")."""
+    return "file:" + os.path.abspath(path)
 
 
 def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18) -> None:
     """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
 
-    Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped.
+    Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped. Written
+    to a temporary file beside ``path`` and renamed over it; a write that fails (a full disk:
+    ``OSError``) leaves no partial file.
     """
     import av
 
@@ -31,16 +46,22 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18)
     if h % 2 or w % 2:
         raise ValueError(f"frames: {w}x{h} has an odd side; yuv420p needs even width and height")
     rate = Fraction(fps).limit_denominator(1001)
-    with av.open(str(path), mode="w", format="mp4") as out:
-        stream = out.add_stream(CODEC, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
-        stream.options = {"crf": str(crf), "preset": "veryfast"}
-        stream.codec_context.options = {"movflags": "+faststart"}
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        # the index (moov) first, so a browser starts playing before it has the whole file
+        with av.open(local(tmp), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
+            stream = out.add_stream(CODEC, rate=rate)
+            stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
+            stream.options = {"crf": str(crf), "preset": "veryfast"}
+            for frame in frames:
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                    out.mux(packet)
+            for packet in stream.encode():
                 out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
+        os.replace(tmp, path)  # whole or not at all: a full disk leaves the old file, not half a new one
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _why(e: Exception) -> str:
@@ -50,13 +71,26 @@ def _why(e: Exception) -> str:
     return getattr(e, "strerror", None) or str(e)
 
 
+def _video_stream(container, path):
+    """The first video stream that is a clip: not a still picture, not an audio file's cover art."""
+    import av
+
+    if container.format.name in STILL_FORMATS:
+        raise VideoError(f"{path}: a still picture ({container.format.name}), not a video")
+    streams = container.streams.video
+    clips = [s for s in streams if not s.disposition & av.stream.Disposition.attached_pic]
+    if streams and not clips:
+        raise VideoError(f"{path}: it has no video stream, only a cover picture")
+    return clips[0] if clips else streams[0]  # IndexError: no video stream
+
+
 def probe(path: str | Path) -> dict:
     """Codec, size, frame rate and frame count of a video file's first video stream."""
     import av
 
     try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
+        with av.open(local(path)) as container:
+            stream = _video_stream(container, path)
             frames = sum(1 for _ in container.demux(stream) if _.size)
             return {
                 "codec": stream.codec_context.name,
@@ -70,39 +104,91 @@ def probe(path: str | Path) -> dict:
         raise VideoError(f"{path}: not a readable video ({_why(e)})") from e
 
 
-def decode(path: str | Path) -> tuple[np.ndarray, float]:
-    """All frames of the first video stream as (F, H, W, 3) uint8 RGB, and the frame rate."""
+def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
+    """All frames of the first video stream as (F, H, W, 3) uint8 RGB, as a viewer sees them, and
+    the frame rate.
+
+    - Turned upright by the stream's display matrix (a phone's portrait clip is stored on its side).
+    - At one constant rate: a variable-rate file (a screen or phone recording, ``-vsync vfr``
+      output) stores a held picture once with a long duration; its frames are repeated on the
+      grid of the rate most of its frames keep (``constant_rate``), as ``ffmpeg -vsync cfr``
+      does, so that QC sees the hold as the frozen frames it is and interpolation keeps the
+      clip's timing. A file already at one frame a tick is returned as stored.
+    - Fewer than ``min_frames`` frames is a VideoError (QC compares frames: it needs 2).
+    """
     import av
 
     try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
+        with av.open(local(path)) as container:
+            stream = _video_stream(container, path)
             stream.thread_type = "AUTO"  # frame and slice threads
+            stated = tuple(float(r) for r in (stream.guessed_rate, stream.average_rate) if r)
             fps = float(stream.average_rate or stream.guessed_rate or 0)
-            out = None  # filled in place when the container states its frame count
-            if stream.frames and stream.codec_context.width and stream.codec_context.height:
-                out = np.empty((stream.frames, stream.codec_context.height, stream.codec_context.width, 3), np.uint8)
-            frames, n, size = [], 0, None
+            w, h = stream.codec_context.width, stream.codec_context.height
+            out = None  # filled in place up to the frame count the container states (a header may lie: at most 1 GiB)
+            if stream.frames and w and h:
+                out = np.empty((min(stream.frames, PREALLOC_BYTES // (w * h * 3) + 1), h, w, 3), np.uint8)
+            more, times, rotation, size, n = [], [], 0, None, 0
             for f in container.decode(stream):
                 if size is None:
-                    size = (f.width, f.height)
+                    size, rotation = (f.width, f.height), int(getattr(f, "rotation", 0) or 0)
                 elif (f.width, f.height) != size:
-                    raise VideoError(f"{path}: frame {n} is {f.width}x{f.height} but frame 0 is {size[0]}x{size[1]}; "
-                                     "a clip must keep one frame size (was it joined from two videos?)")
+                    raise VideoError(f"{path}: frame {n} is {f.width}x{f.height} but frame 0 is "
+                                     f"{size[0]}x{size[1]}; a clip must keep one frame size (was it joined from two videos?)")
                 if out is not None and n < len(out) and (f.height, f.width) == out.shape[1:3]:
                     _rgb(f, out[n])
                 else:
-                    frames.append(_rgb(f))
+                    more.append(_rgb(f))
+                times.append(f.time)
                 n += 1
     except (av.error.FFmpegError, IndexError) as e:
         raise VideoError(f"{path}: not a readable video ({_why(e)})") from e
     if n == 0:
         raise VideoError(f"{path}: the video stream has no frames")
+    if n < min_frames:
+        raise VideoError(f"{path}: it has {n} frame{'s' if n != 1 else ''}; at least {min_frames} are needed "
+                         "(frames are compared with each other: a still picture is not a clip)")
     if out is None:
-        return np.stack(frames), fps
-    if frames:  # more frames than stated, or frames of another size than stated: rare, take the slow path
-        return np.concatenate([out[: n - len(frames)], np.stack(frames)]), fps
-    return out[:n], fps
+        out = np.stack(more)
+    elif more:  # more frames than stated, or frames of another size than stated: rare, take the slow path
+        out = np.concatenate([out[: n - len(more)], np.stack(more)])
+    else:
+        out = out[:n]
+    del more
+    if (cfr := constant_rate(times, stated)) is not None:
+        order, fps = cfr
+        if len(order) > MAX_HOLD_FRAMES:
+            raise VideoError(f"{path}: its timestamps span {len(order)} frames at {fps:g} fps for {n} stored; "
+                             f"at most {MAX_HOLD_FRAMES} (are its timestamps broken?)")
+        out = out[order]
+    if rotation % 360:
+        out = np.ascontiguousarray(np.rot90(out, k=round(rotation / 90) % 4, axes=(1, 2)))
+    return out, fps
+
+
+def constant_rate(times: list[float | None], rates: tuple[float, ...] = ()) -> tuple[list[int], float] | None:
+    """For frames shown from ``times`` (seconds), the frame on screen at each tick of the clip's
+    own rate, and that rate (``ffmpeg -vsync cfr``: a held frame repeats); None when they already
+    are one frame a tick (within half a tick), or carry no times. The rate is the one most
+    frames keep, the median interval (snapped to one of the stated ``rates`` within 2%): a held
+    picture stretches one interval, not the median. The last frame counts one tick (a
+    container's last duration is often wrong). Pure: a function of the timestamps alone."""
+    if len(times) < 3 or any(t is None for t in times):
+        return None
+    tick = float(np.median(np.diff(np.asarray(times, dtype=np.float64))))
+    if tick <= 0:
+        return None
+    rate = next((r for r in rates if r > 0 and abs(r * tick - 1) < 0.02), 1.0 / tick)
+    tick, t0 = 1.0 / rate, times[0]
+    if all(abs(t - t0 - i * tick) < tick / 2 for i, t in enumerate(times)):
+        return None
+    order, i = [], 0
+    for k in range(round((times[-1] - t0) * rate) + 1):
+        t = t0 + k * tick + tick / 2  # the frame on screen at the middle of the tick
+        while i + 1 < len(times) and times[i + 1] <= t:
+            i += 1
+        order.append(i)
+    return order, rate
 
 
 def _rgb(frame, dst: np.ndarray | None = None) -> np.ndarray:

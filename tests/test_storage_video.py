@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
 
 from clipmill.pipeline.retime import output_count, retime_linear
-from clipmill.pipeline.video import VideoError, decode, encode_h264, probe
+from clipmill.pipeline.video import VideoError, constant_rate, decode, encode_h264, probe
 from clipmill.storage import LocalStorage, StorageError, open_storage
 
 
@@ -99,3 +101,132 @@ def test_a_stream_whose_frame_size_changes_is_refused_by_name(tmp_path):
         decode(joined)
     msg = str(e.value)
     assert msg.startswith(f"{joined}: frame ") and "is 128x80 but frame 0 is 96x64; a clip must keep one frame size" in msg
+
+
+def _mp4(path, frames: np.ndarray, pts_ms: list[int] | None = None, rate: int = 30) -> None:
+    """H.264 in MP4, written by PyAV directly (not by encode_h264), with the given timestamps."""
+    import av
+
+    with av.open(str(path), "w", format="mp4") as c:
+        s = c.add_stream("libx264", rate=rate)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        s.codec_context.time_base = Fraction(1, 1000)
+        for i, f in enumerate(frames):
+            vf = av.VideoFrame.from_ndarray(f, format="rgb24")
+            vf.pts, vf.time_base = (pts_ms[i] if pts_ms else round(i * 1000 / rate)), Fraction(1, 1000)
+            for p in s.encode(vf):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def _numbered(n: int, h: int = 64, w: int = 96) -> np.ndarray:
+    """Frames whose mean level says which they are: frame i is flat at 20 + 10 i."""
+    return np.stack([np.full((h, w, 3), 20 + 10 * i, np.uint8) for i in range(n)])
+
+
+def test_a_variable_rate_hold_decodes_as_the_repeated_frames_a_viewer_sees(tmp_path):
+    """A variable-rate file stores a held picture once, shown until the next timestamp (screen and
+    phone recorders, ffmpeg -vsync vfr). Decoded, it repeats on the grid of the rate its other
+    frames keep, as the same hold stored frame by frame does: QC reads the freeze, and
+    interpolation keeps the timing. A constant-rate file comes back exactly as stored."""
+    frames = _numbered(10)
+    pts = [round(i * 1000 / 30) for i in range(5)] + [round((i + 15) * 1000 / 30) for i in range(5, 10)]  # frame 4 held 0.5 s
+    _mp4(tmp_path / "vfr.mp4", frames, pts)
+    got, fps = decode(tmp_path / "vfr.mp4")
+    assert fps == 30 and len(got) == 25, (fps, len(got))
+    levels = [round(float(f.mean()) / 10) * 10 - 20 for f in got]
+    assert levels == [0, 10, 20, 30] + [40] * 16 + [50, 60, 70, 80, 90], levels
+    _mp4(tmp_path / "cfr.mp4", frames)
+    got, fps = decode(tmp_path / "cfr.mp4")
+    assert len(got) == 10 and abs(fps - 30) < 0.01  # the average rate, as before (millisecond timestamps)
+    assert [round(float(f.mean()) / 10) * 10 - 20 for f in got] == list(range(0, 100, 10))
+    # the pure part: no times, or one frame a tick (within half a tick), is left alone
+    assert constant_rate([None, None, None]) is None
+    assert constant_rate([0.0, 0.034, 0.066, 0.1], (30.0,)) is None
+    assert constant_rate([0.0, 1 / 30, 2 / 30, 4 / 30], (30.0,)) == ([0, 1, 2, 2, 3], 30.0)
+
+
+def test_qc_reads_a_variable_rate_freeze_as_frozen(tmp_path):
+    """The same 2.5 s pan that stops for 1 s, stored frame by frame and as one held frame: QC
+    rejects both as frozen (it passed the held one, reading its average rate as the clip's)."""
+    from clipmill.pipeline.synthetic import camera_move, photo
+    from clipmill.qc import QCConfig, check_frames
+
+    pan = camera_move(photo("astronaut"), "pan", 45, (192, 128), np.random.default_rng(1), speed=2.0)
+    stored = np.concatenate([pan[:20], np.repeat(pan[19:20], 30, axis=0), pan[20:]])
+    _mp4(tmp_path / "cfr.mp4", stored)
+    _mp4(tmp_path / "vfr.mp4", pan, [round(i * 1000 / 30) for i in range(20)] + [round((i + 30) * 1000 / 30)
+                                                                                  for i in range(20, 45)])
+    for name in ("cfr.mp4", "vfr.mp4"):
+        got, fps = decode(tmp_path / name)
+        assert len(got) == 75 and abs(fps - 30) < 0.01, (name, len(got), fps)
+        v = check_frames(got, fps, QCConfig())
+        assert v.verdict == "reject" and any(r.startswith("frozen: frames 19-") for r in v.reasons), (name, v.reasons)
+
+
+def test_what_is_not_a_clip_is_refused_by_name(tmp_path):
+    """A still picture renamed .mp4, an audio file's cover picture, and a clip of one frame when
+    frames are to be compared: VideoError naming the file and why (QC passed all three)."""
+    import av
+    import cv2
+
+    png = tmp_path / "photo.mp4"
+    png.write_bytes(cv2.imencode(".png", _numbered(1)[0])[1].tobytes())
+    with pytest.raises(VideoError, match=rf"^{png}: a still picture \(png_pipe\), not a video$"):
+        decode(png)
+    song = tmp_path / "song.mp4"
+    with av.open(str(song), "w", format="mp4") as c:
+        a = c.add_stream("aac", rate=44100)
+        cover = c.add_stream("mjpeg", rate=1)
+        cover.width, cover.height, cover.pix_fmt = 64, 64, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        for p in cover.encode(av.VideoFrame.from_ndarray(_numbered(1, 64, 64)[0], format="rgb24")):
+            c.mux(p)
+        for p in cover.encode():
+            c.mux(p)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 44100
+        for p in a.encode(frame):
+            c.mux(p)
+        for p in a.encode():
+            c.mux(p)
+    with pytest.raises(VideoError, match=rf"^{song}: it has no video stream, only a cover picture$"):
+        decode(song)
+    _mp4(tmp_path / "one.mp4", _numbered(1))
+    assert len(decode(tmp_path / "one.mp4")[0]) == 1
+    with pytest.raises(VideoError, match=r"one.mp4: it has 1 frame; at least 2 are needed \(frames are compared"):
+        decode(tmp_path / "one.mp4", min_frames=2)
+
+
+def test_a_portrait_clip_stored_on_its_side_decodes_upright(tmp_path):
+    """A phone stores a portrait clip as landscape frames and a 90-degree display matrix; players
+    turn it upright, and so does decode (QC's sheet and interpolation's output were sideways)."""
+    frames = np.zeros((4, 64, 96, 3), np.uint8)
+    frames[:, :16, :16] = (255, 0, 0)  # a red corner at the stored frame's top left
+    _mp4(tmp_path / "side.mp4", frames)
+    data = bytearray((tmp_path / "side.mp4").read_bytes())
+    i = data.find(b"tkhd")
+    version = data[i + 4]
+    matrix = i + 4 + 4 + (8 if version == 0 else 16) + 4 + 4 + (4 if version == 0 else 8) + 8 + 2 + 2 + 2 + 2
+    data[matrix:matrix + 36] = struct.pack(">9I", 0, 0x10000, 0, (-0x10000) & 0xFFFFFFFF, 0, 0, 0, 0, 0x40000000)
+    (tmp_path / "side.mp4").write_bytes(bytes(data))  # QuickTime's "rotate 90 clockwise", as iPhones write
+    got, _ = decode(tmp_path / "side.mp4")
+    assert got.shape == (4, 96, 64, 3)
+    assert got[0, :16, -16:, 0].mean() > 200 and got[0, :16, :16, 0].mean() < 50  # the corner is now top right
+
+
+def test_local_names_with_a_colon_and_the_index_first(tmp_path):
+    """A file named like an ISO time is a file, not a URL (FFmpeg read 'take1:' as a protocol);
+    encode_h264 writes the index (moov) before the media (mdat), so a browser plays at once, and
+    through a temporary file: a failed write leaves the old file whole and no temporary behind."""
+    frames = _numbered(6)
+    path = tmp_path / "2024-05-01T12:30:00.mp4"
+    encode_h264(frames, 24, path)
+    assert len(decode(path)[0]) == 6 and probe(path)["frames"] == 6
+    data = path.read_bytes()
+    assert 0 < data.find(b"moov") < data.find(b"mdat"), "the index is not at the start"
+    old = data
+    with pytest.raises(ValueError):
+        encode_h264(frames[:, :, :63], 24, path)  # refused before anything is written
+    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == [path.name]

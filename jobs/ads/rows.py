@@ -25,6 +25,7 @@ from clipmill.jobs.core.prompts import (MAX_SEED, FileProblem, Problem, PromptRo
                                         derive_seed, read_id, read_records, read_seed)
 from clipmill.pipeline.models import ModelInfo
 from clipmill.pipeline.overlay import TextStyle, box, fit_px, missing_glyphs
+from clipmill.pipeline.video import local
 
 from .template import AdTemplate, Format, TextSpec, fill
 
@@ -128,7 +129,7 @@ def _check_file(path: Path, kind: str) -> str | None:
         elif kind == "music":
             import av
 
-            with av.open(str(path)) as c:
+            with av.open(local(path)) as c:
                 if not c.streams.audio:
                     return f"has no audio stream ({path})"
                 if not any(f.samples for f in c.decode(c.streams.audio[0])):

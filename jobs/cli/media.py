@@ -53,7 +53,7 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     for f in files:
         try:
             check_input_file(f)
-            frames, fps = decode(f)
+            frames, fps = decode(f, min_frames=2)  # QC compares frames
             res, series = check_frames_with_series(frames, fps, qc_cfg)
         except (BadOption, VideoError, FrameTooSmall) as e:
             unreadable += 1
@@ -149,7 +149,7 @@ def interpolate(src, dst, fps, bench, as_json):
         check_input_file(src, "SRC")
         _check_dst(src, dst)
     try:
-        frames, fps_in = decode(src)
+        frames, fps_in = decode(src, min_frames=2)
     except VideoError as e:
         raise BadInput(f"SRC {str(e)}")
     if fps_in <= 0:
