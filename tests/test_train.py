@@ -425,7 +425,7 @@ def test_export_refuses_an_unfinished_training(tmp_path):
     from clipmill.pipeline.train.export import export_model
 
     with pytest.raises(FileNotFoundError, match="student/done is missing"):
-        export_model(tmp_path, tmp_path / "out")
+        export_model(tmp_path / "ck", tmp_path / "out")  # (not inside the checkpoint folder: check_dest refuses that)
     assert not (tmp_path / "out").exists()
 
 
@@ -735,3 +735,55 @@ def test_train_model_says_in_one_line_what_a_stage_lacks_or_where_it_cannot_writ
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, "".join(lines) + rest
     assert "interrupted: the checkpoints written so far are kept; run the same command again to resume" in rest
+
+
+def _train(*args: str):
+    """``clipmill train-model --recipe smoke --threads 1 ARGS`` in this process."""
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+
+    return CliRunner().invoke(main, ["train-model", "--recipe", "smoke", "--threads", "1", *args])
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory, single_thread):
+    """Every stage of the smoke recipe trained by the CLI under one checkpoint folder (no
+    export), and its finished teacher written by --export-teacher: (checkpoints, teacher)."""
+    base = tmp_path_factory.mktemp("smoke")
+    r = _train("--ckpt", str(base / "ck"), "--no-export")
+    assert r.exit_code == 0, r.output
+    r = _train("--ckpt", str(base / "ck"), "--export-teacher", "--out", str(base / "model"))
+    assert r.exit_code == 0, r.output
+    return base / "ck", base / "model" / "teacher"
+
+
+@pytest.mark.slow
+def test_export_model_itself_refuses_to_replace_the_checkpoints_or_a_folder_of_other_files(smoke, tmp_path):
+    """The CLI refused such an --out, but export_model and export_teacher replaced whatever
+    they were given: the checkpoint folder itself, or a folder of someone's files."""
+    import re
+    import shutil
+
+    from clipmill.pipeline.train.export import export_model, export_teacher
+
+    ck, _ = smoke
+    mine = tmp_path / "ck"
+    shutil.copytree(ck, mine, ignore=shutil.ignore_patterns("pool", "train.lock"))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "n.txt").write_text("keep me")
+    for export in (export_model, export_teacher):
+        with pytest.raises(ValueError, match=re.escape(f"{mine}: the export replaces this folder, which is or holds "
+                                                       f"the checkpoint folder {mine}")):
+            export(mine, mine)
+        with pytest.raises(ValueError, match="holds files but is not a model folder"):
+            export(mine, notes)
+        with pytest.raises(ValueError, match="inside the checkpoint folder"):
+            export(mine, mine / "vae")
+    assert (notes / "n.txt").read_text() == "keep me" and (mine / "student" / "done").exists()
+    assert (mine / "vae" / "model" / "config.json").exists()
+    # the checkpoint folder's export/ is where the smoke recipe exports, the teacher included
+    assert export_teacher(mine, mine / "export" / "teacher") == mine / "export" / "teacher"
+    r = _train("--ckpt", str(mine), "--export-teacher")
+    assert r.exit_code == 0 and (mine / "export" / "teacher" / "model_index.json").exists(), r.output

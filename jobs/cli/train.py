@@ -20,22 +20,6 @@ def default_root(recipe: str) -> Path:
     return base if recipe == "full" else base.with_name(f"{base.name}-{recipe}")
 
 
-def check_export_dest(dest: Path, root: Path) -> None:
-    """The export replaces ``dest`` whole: refuse a folder that is not a model folder (it would
-    be deleted), and one that is the checkpoint folder, holds it, or is one of its stages."""
-    d, r = dest.resolve(), root.resolve()
-    if d == r or d in r.parents:
-        raise click.BadParameter(f"{dest}: the export replaces this folder, which is or holds the checkpoint folder {root}; "
-                                 "give another folder", param_hint="--out")
-    if r in d.parents and d != r / "export":
-        raise click.BadParameter(f"{dest}: inside the checkpoint folder {root} (only its export/ folder may be); give "
-                                 "another folder", param_hint="--out")
-    if d.is_dir() and any(d.iterdir()) and not ((d / "model_index.json").exists() or (d / "clipmill.json").exists()):
-        raise click.BadParameter(f"{dest}: holds files but is not a model folder (no model_index.json); the export "
-                                 "replaces the folder whole: give a new or empty folder, or a model folder to replace",
-                                 param_hint="--out")
-
-
 def clean_caption(raw: str) -> str:
     """The project's cleaning of a free-text prompt, as ``clipmill run`` applies it to a prompt
     column: the captions are trained on exactly what the renderer is given."""
@@ -88,7 +72,7 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
     import torch
 
     from clipmill.pipeline.models import SHAPES_DIR, quiet_hf
-    from clipmill.pipeline.train.export import export_model
+    from clipmill.pipeline.train.export import check_dest, export_model
     from clipmill.pipeline.train.export import export_teacher as export_teacher_folder
     from clipmill.pipeline.train.recipe import RECIPES, run_all, seed_from_teacher, verify_root
     from clipmill.jobs.core.preflight import check_device
@@ -104,8 +88,11 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
     quiet_hf()
     root = Path(ckpt).expanduser() if ckpt else default_root(recipe)
     dest = Path(out).expanduser() if out else (SHAPES_DIR if recipe == "full" else root / "export")
-    if not no_export:
-        check_export_dest(dest / "teacher" if export_teacher else dest, root)
+    if not no_export:  # before anything is trained (the export checks it again)
+        try:
+            check_dest(dest / "teacher" if export_teacher else dest, root)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--out")
     t0 = time.time()
 
     def log(msg: str) -> None:

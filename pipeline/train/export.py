@@ -50,6 +50,25 @@ TEACHER = "teacher"  # the teacher's folder inside the model folder
 RESUME = "resume"  # an unfinished teacher's trained (not averaged) UNet weights, inside its folder
 
 
+def check_dest(dest: Path | str, ckpt_dir: Path | str) -> None:
+    """Refuse an export folder ``dest`` for the checkpoints under ``ckpt_dir`` (ValueError): the
+    export replaces ``dest`` whole, so it may not be a folder of other files (they would be
+    deleted), nor the checkpoint folder, one holding it, or one inside it other than its
+    ``export/`` folder (where the smoke recipe exports) and what is in that. ``export_model``
+    and ``export_teacher`` check it first; ``clipmill train-model`` before it trains."""
+    dest, root = Path(dest), Path(ckpt_dir)
+    d, r = dest.resolve(), root.resolve()
+    if d == r or d in r.parents:
+        raise ValueError(f"{dest}: the export replaces this folder, which is or holds the checkpoint folder {root}; "
+                         "give another folder")
+    if r in d.parents and not (d == r / "export" or r / "export" in d.parents):
+        raise ValueError(f"{dest}: inside the checkpoint folder {root} (only its export/ folder may be); give another "
+                         "folder")
+    if d.is_dir() and any(d.iterdir()) and not ((d / "model_index.json").exists() or (d / "clipmill.json").exists()):
+        raise ValueError(f"{dest}: holds files but is not a model folder (no model_index.json); the export replaces "
+                         "the folder whole: give a new or empty folder, or a model folder to replace")
+
+
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -61,12 +80,14 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     (:func:`set_decode_limits`).
 
     Raises FileNotFoundError when the student stage has not finished, and ValueError when the
-    folder would exceed ``max_bytes``; ``dest`` is left as it was in both cases.
+    folder would exceed ``max_bytes`` or ``dest`` may not be replaced (:func:`check_dest`);
+    ``dest`` is left as it was in each case.
     """
     import torch
     from diffusers import AnimateDiffPipeline, AutoencoderKL
 
     ckpt_dir, dest = Path(ckpt_dir), Path(dest)
+    check_dest(dest, ckpt_dir)
     src = ckpt_dir / "student" / "pipeline"
     if not (ckpt_dir / "student" / "done").exists():
         raise FileNotFoundError(f"{ckpt_dir / 'student' / 'done'} is missing: the distilled student is not trained "
@@ -204,12 +225,13 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
     clipmill.json says which (``training.stages.teacher``: ``step`` and ``finished``), so that
     ``train-model --from-teacher`` resumes an unfinished teacher instead of distilling it (an
     unfinished one also keeps its trained, not averaged, UNet weights under ``resume/``).
-    Replaces ``dest`` atomically."""
+    Replaces ``dest`` atomically; refuses a ``dest`` that may not be replaced (:func:`check_dest`)."""
     import torch
     from diffusers import AnimateDiffPipeline, AutoencoderKL
     from transformers import CLIPTextModel, CLIPTokenizer
 
     ckpt_dir, dest = Path(ckpt_dir), Path(dest)
+    check_dest(dest, ckpt_dir)
     done = ckpt_dir / "teacher" / "done"
     recipe = ckpt_dir / "recipe.json"
     recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
@@ -263,7 +285,8 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
 
 
 def _replace(tmp: Path, dest: Path) -> None:
-    """Put the finished folder ``tmp`` at ``dest``, replacing what was there (renames only)."""
+    """Put the finished folder ``tmp`` at ``dest``, replacing what was there (renames only); its
+    callers have checked ``dest`` (:func:`check_dest`)."""
     old = None
     if dest.exists():
         old = dest.with_name(f".{dest.name}-old-{os.getpid()}")
