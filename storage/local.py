@@ -1,5 +1,6 @@
 """A local folder as storage. Every write goes to a temporary file in the same folder, is
-flushed to disk, then renamed over the target, so readers never see half a file."""
+flushed to disk, then renamed over the target, so readers never see half a file
+(:func:`write_atomic`, which the training's checkpoint markers use too)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,30 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from clipmill.storage.base import StorageUnavailable, check_key, sha256_file
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+
+
+def write_atomic(target: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """Write the file ``target`` whole or not at all: ``fill(f)`` writes a temporary file in the
+    same folder, which is flushed to disk and then renamed over ``target``. A reader never sees
+    half a file, and a crash or a full disk mid-write leaves ``target`` as it was (and no
+    temporary file). The file gets the mode a plain ``open`` would give it."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 class LocalStorage:
@@ -30,17 +50,7 @@ class LocalStorage:
     def _write(self, key: str, fill) -> str:
         target = self.path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-        try:
-            os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; clips are served to reviewers
-            with os.fdopen(fd, "wb") as f:
-                fill(f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(target, fill)  # readable by all the umask allows: clips are served to reviewers
         return str(target)
 
     def put_bytes(self, key: str, data: bytes) -> str:

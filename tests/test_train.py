@@ -759,6 +759,43 @@ def smoke(tmp_path_factory, single_thread):
 
 
 @pytest.mark.slow
+def test_a_stage_marker_is_written_whole_or_not_at_all_and_a_damaged_one_is_named(tmp_path):
+    """A done marker was written in place: a disk that filled (here: a file size limit) or a
+    kill mid-write left a cut-short marker, which every later run took for "done". Now it is
+    whole or absent, and a damaged one (cut short, empty) is an error naming the file."""
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    r = _train("--ckpt", str(ck), "--stages", "vae", "--no-export")
+    assert r.exit_code == 0, r.output
+    # the text stage's marker written under a 64-byte file size limit (a full disk): an error,
+    # and no marker, not a cut-short one
+    code = ("import resource, signal, sys; from pathlib import Path; "
+            "from clipmill.pipeline.train.stages import _mark_done; "
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (64, resource.getrlimit(resource.RLIMIT_FSIZE)[1])); "
+            "(Path(sys.argv[1]) / 'text').mkdir(); "
+            "_mark_done(Path(sys.argv[1]), 'text', {'step': 20, 'accuracy': {a: 1.0 for a in 'abcdefghij'}})")
+    proc = subprocess.run([sys.executable, "-c", code, str(ck)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "File too large" in proc.stderr, proc.stderr
+    assert not (ck / "text" / "done").exists() and not list((ck / "text").iterdir())  # nor a temporary file
+
+    marker = ck / "vae" / "done"
+    whole = marker.read_text()
+    for damaged, why in ((whole[: len(whole) // 2], "not valid JSON"), ("", "not valid JSON"), ("[]", "not a JSON object")):
+        marker.write_text(damaged)
+        for stages in ("vae", "teacher"):  # the stage itself, and the check of what a later one reads
+            r = _train("--ckpt", str(ck), "--stages", stages, "--no-export")
+            last = r.output.strip().splitlines()[-1]
+            assert r.exit_code == 2 and last.startswith(f"Error: {marker}: ") and why in last, r.output
+            assert "done already" not in r.output and "Traceback" not in r.output
+    marker.write_text(whole)
+    r = _train("--ckpt", str(ck), "--stages", "vae", "--no-export")
+    assert r.exit_code == 0 and "[vae] done already" in r.output, r.output
+
+
+@pytest.mark.slow
 def test_export_model_itself_refuses_to_replace_the_checkpoints_or_a_folder_of_other_files(smoke, tmp_path):
     """The CLI refused such an --out, but export_model and export_teacher replaced whatever
     they were given: the checkpoint folder itself, or a folder of someone's files."""

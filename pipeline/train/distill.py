@@ -42,7 +42,8 @@ from ..sampler import make_scheduler, sample
 from . import nets
 from .data import Clean, PoolData, ShapesData
 from .stages import (DenoiserConfig, Device, Log, Probe, StageConfig, StageResult, TextCache, _done, _mark_done, _Meter,
-                     decode_latents, export_pipeline, latent_pool, resume, save_checkpoint, shape_weight, uncond_rows)
+                     decode_latents, export_pipeline, latent_pool, read_done, resume, save_checkpoint, shape_weight,
+                     uncond_rows)
 
 STAGE = "student"
 TIER_STEPS = tuple(tier.steps for tier in TIERS.values())  # fast, quality
@@ -290,7 +291,7 @@ def train_student(root: Path, cfg: StageConfig, clean: Clean, log: Log, lcm: LCM
     scheduler = lcm_scheduler(teacher_pipe.scheduler.config, lcm)
     acp = scheduler.alphas_cumprod.float().to(device)
     # the teacher's frame markers (their embeddings are in its text encoder), which the student keeps
-    markers = tuple(json.loads((root / "teacher" / "done").read_text()).get("frame_markers") or ())
+    markers = tuple((read_done(root, "teacher") or {}).get("frame_markers") or ())
     text = TextCache(te, tok, markers)
     student = copy.deepcopy(teacher).train().requires_grad_(True)
     target = copy.deepcopy(teacher)

@@ -30,7 +30,7 @@ from ..render import ClipRequest, GroupSettings, Renderer
 from . import nets
 from .distill import LCMConfig
 from .recipe import STAGE_ORDER
-from .stages import MarkerEmbeddings, _load_state, export_pipeline
+from .stages import MarkerEmbeddings, _done, _load_state, export_pipeline, read_done
 
 MAX_BYTES = 25 * 1024 * 1024  # the package's weights budget (issue 11)
 # what measure_decode_limits renders: (frames, size) at both tiers, RANGE_CLIPS prompts each,
@@ -89,14 +89,14 @@ def export_model(ckpt_dir: Path | str, dest: Path | str, max_bytes: int = MAX_BY
     ckpt_dir, dest = Path(ckpt_dir), Path(dest)
     check_dest(dest, ckpt_dir)
     src = ckpt_dir / "student" / "pipeline"
-    if not (ckpt_dir / "student" / "done").exists():
+    if not _done(ckpt_dir, "student"):
         raise FileNotFoundError(f"{ckpt_dir / 'student' / 'done'} is missing: the distilled student is not trained "
                                 "yet; run every stage first (make demo-model)")
     pipe = AnimateDiffPipeline.from_pretrained(src, dtype=torch.float32)
     pipe.unet.to(torch.float16)
     teacher = AnimateDiffPipeline.from_pretrained(ckpt_dir / "teacher" / "pipeline", dtype=torch.float32)
     teacher.unet.to(torch.float16)
-    if (ckpt_dir / "decoder" / "done").exists():  # the fine-tuned decoder (same encoder) serves both folders
+    if _done(ckpt_dir, "decoder"):  # the fine-tuned decoder (same encoder) serves both folders
         vae = AutoencoderKL.from_pretrained(ckpt_dir / "decoder" / "model")
         pipe.register_modules(vae=vae)
         teacher.register_modules(vae=vae)
@@ -232,14 +232,13 @@ def export_teacher(ckpt_dir: Path | str, dest: Path | str) -> Path:
 
     ckpt_dir, dest = Path(ckpt_dir), Path(dest)
     check_dest(dest, ckpt_dir)
-    done = ckpt_dir / "teacher" / "done"
     recipe = ckpt_dir / "recipe.json"
     recipe_d = json.loads(recipe.read_text()) if recipe.exists() else {}
     stages = {s: _stage_info(ckpt_dir, s) for s in ("vae", "text")}
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
     try:
-        if done.exists():
+        if _done(ckpt_dir, "teacher"):
             teacher = AnimateDiffPipeline.from_pretrained(ckpt_dir / "teacher" / "pipeline", dtype=torch.float32)
             info = {**_stage_info(ckpt_dir, "teacher"), "finished": True}
             teacher.unet.to(torch.float16)
@@ -299,9 +298,7 @@ def _replace(tmp: Path, dest: Path) -> None:
 def _stage_info(ckpt_dir: Path, stage: str) -> dict | None:
     """A finished stage's record (its ``done`` marker) as a shipped clipmill.json keeps it: without
     ``seeded_from``, the path of the folder a checkpoint was seeded from on the training machine."""
-    done = ckpt_dir / stage / "done"
-    if not done.exists():
-        return None
-    info = json.loads(done.read_text())
-    info.pop("seeded_from", None)
+    info = read_done(ckpt_dir, stage)
+    if info is not None:
+        info.pop("seeded_from", None)
     return info

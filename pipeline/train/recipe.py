@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -22,8 +21,10 @@ from safetensors.torch import load_file
 from . import nets
 from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
+from ...storage.local import write_atomic
 from .stages import (DecoderConfig, DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _done,
-                     _mark_done, export_pipeline, save_checkpoint, train_decoder, train_teacher, train_text, train_vae)
+                     _mark_done, export_pipeline, read_done, save_checkpoint, train_decoder, train_teacher, train_text,
+                     train_vae)
 
 STAGE_ORDER = ("vae", "text", "teacher", "student", "decoder")
 
@@ -128,12 +129,10 @@ def check_root(root: Path, recipe: Recipe) -> None:
     with (``root/recipe.json``); then record ``recipe`` there. Step counts and learning rates may
     change between runs (to train a stage longer, say), since they do not change what a
     checkpoint holds."""
-    path = root / "recipe.json"
     mine = verify_root(root, recipe)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".recipe.json.{os.getpid()}")
-    tmp.write_text(json.dumps(mine, indent=1))  # then renamed: a full disk never leaves it cut short
-    os.replace(tmp, path)
+    # whole or not at all: a full disk never leaves it cut short
+    write_atomic(root / "recipe.json", lambda f: f.write(json.dumps(mine, indent=1).encode()))
 
 
 def verify_root(root: Path, recipe: Recipe) -> dict:
@@ -204,8 +203,7 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if not (folder / "model_index.json").exists():
         raise FileNotFoundError(f"--from-teacher {folder}: {folder / 'model_index.json'} is missing; pass the teacher "
                                 "folder of an exported shapes model (or 'shapes', the built-in model's)")
-    seeded = [json.loads((root / s / "done").read_text()).get("seeded_from") if (root / s / "done").exists() else None
-              for s in SEEDED]
+    seeded = [(read_done(root, s) or {}).get("seeded_from") for s in SEEDED]
     if seeded[:2] == [str(folder)] * 2 and (seeded[2] == str(folder) or (root / "teacher" / "state.pt").exists()):
         log(f"{root} was seeded from {folder} already: resuming")
         return

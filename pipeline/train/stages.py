@@ -5,7 +5,8 @@ all in order.
 Each stage keeps its state under ``root/<stage>/`` (outside the work tree): ``state.pt`` (weights,
 optimiser, step, data stream) every ``ckpt_every`` steps, so a restarted run resumes where it
 stopped, and a diffusers folder when it ends (``root/vae/model``, ``root/text/model``,
-``root/teacher/pipeline``), with a ``done`` marker that makes a rerun skip the stage.
+``root/teacher/pipeline``), with a ``done`` marker that makes a rerun skip the stage (a JSON
+record written whole or not at all, last; a damaged one is an error that names it).
 
 - ``vae``: AutoencoderKL on 32 x 32 crops (half of them on the shape) with the shape's pixels
   weighted up (the shape is a few percent of a frame; a plain loss drops it). At the end its
@@ -46,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ...qc import adherence
+from ...storage.local import write_atomic
 from .. import noise as video_noise
 from .. import frame_markers, shapes
 from . import nets
@@ -137,12 +139,44 @@ def resume(path: Path, parts: dict, data, log: Log, stage: str, check: Callable[
     return state["step"]
 
 
+def read_json(path: Path) -> dict:
+    """The JSON object in the file ``path``: FileNotFoundError when there is none, ValueError
+    naming the file when it is not JSON (cut short, empty) or holds something else."""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({'an empty file' if not path.stat().st_size else e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a JSON {JSON_KINDS.get(type(data), type(data).__name__)}, not a JSON object")
+    return data
+
+
+JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def read_done(root: Path, stage: str) -> dict | None:
+    """What ``stage`` recorded when it finished (its ``done`` marker), None while it has not.
+    A damaged marker is an error naming it (ValueError), not a finished stage."""
+    path = root / stage / "done"
+    try:
+        return read_json(path)
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise ValueError(f"{e}; it is the {stage} stage's done marker, damaged: delete it and run the stage again "
+                         "(it resumes from its last checkpoint, if it has one)") from None
+
+
 def _done(root: Path, stage: str) -> bool:
-    return (root / stage / "done").exists()
+    return read_done(root, stage) is not None
 
 
 def _mark_done(root: Path, stage: str, info: dict) -> None:
-    (root / stage / "done").write_text(json.dumps(info, indent=1))
+    """Write ``stage``'s done marker whole or not at all (a kill or a full disk mid-write leaves
+    none, never a cut-short one that reads as done)."""
+    write_atomic(root / stage / "done", lambda f: f.write(json.dumps(info, indent=1).encode()))
 
 
 class _Meter:
