@@ -759,6 +759,65 @@ def smoke(tmp_path_factory, single_thread):
 
 
 @pytest.mark.slow
+def test_from_teacher_with_a_broken_or_incomplete_folder_is_one_line_naming_the_file(smoke, tmp_path):
+    """Each was a traceback, an exit 3 "writing ... failed" about the folder read, or a bare
+    "Expecting value: line 1 column 1" naming no file: a model_index.json, a component's config
+    or a clipmill.json cut short, of the wrong shape, or without what the seeding reads."""
+    import shutil
+
+    _, teacher = smoke
+
+    def edit_json(rel: str, change):
+        def edit(folder):
+            d = json.loads((folder / rel).read_text())
+            change(d)
+            (folder / rel).write_text(json.dumps(d))
+        return edit
+
+    def write(rel: str, text: str | None):
+        def edit(folder):
+            if text is None:
+                (folder / rel).unlink()
+            else:
+                (folder / rel).write_text(text)
+        return edit
+
+    def no_step(d):
+        del d["training"]["stages"]["teacher"]["step"]
+
+    cases = [
+        (write("model_index.json", '{"_class_name": '), "model_index.json", "not valid JSON"),
+        (edit_json("model_index.json", lambda d: d.pop("unet")), "model_index.json", "no 'unet'"),
+        (write("model_index.json", "[1]"), "model_index.json", "not a JSON object"),
+        (write("unet/config.json", "{"), "unet/config.json", "not valid JSON"),
+        (edit_json("unet/config.json", lambda d: d.pop("block_out_channels")), "unet/config.json",
+         "no 'block_out_channels'"),
+        (write("unet/config.json", None), "unet/config.json", "is missing"),
+        (write("text_encoder/config.json", "{}"), "text_encoder", "does not load"),
+        (write("scheduler/scheduler_config.json", '{"prediction_type": '), "scheduler/scheduler_config.json",
+         "not valid JSON"),
+        (write("tokenizer/tokenizer_config.json", "{"), "tokenizer/tokenizer_config.json", "not valid JSON"),
+        (write("clipmill.json", "[1"), "clipmill.json", "not valid JSON"),
+        (write("clipmill.json", "[1]"), "clipmill.json", "not a JSON object"),
+        (write("clipmill.json", None), "clipmill.json", "is missing"),
+        (edit_json("clipmill.json", no_step), "clipmill.json", "training.stages.teacher has no 'step'"),
+        (edit_json("clipmill.json", lambda d: d["training"]["stages"].update(teacher="17")), "clipmill.json",
+         "training.stages.teacher is not a JSON object"),
+    ]
+    for i, (edit, rel, why) in enumerate(cases):
+        folder = tmp_path / f"t{i}"
+        shutil.copytree(teacher, folder)
+        edit(folder)
+        ck = tmp_path / f"ck{i}"
+        r = _train("--ckpt", str(ck), "--from-teacher", str(folder), "--no-export")
+        last = r.output.strip().splitlines()[-1]
+        assert r.exit_code == 2, (rel, why, r.output)
+        assert last.startswith(f"Error: --from-teacher {folder}: ") and str(folder / rel) in last and why in last, \
+            (rel, why, last)
+        assert "Traceback" not in r.output and not ck.exists(), (rel, why)  # nothing written: no half seeding
+
+
+@pytest.mark.slow
 def test_a_stage_marker_is_written_whole_or_not_at_all_and_a_damaged_one_is_named(tmp_path):
     """A done marker was written in place: a disk that filled (here: a file size limit) or a
     kill mid-write left a cut-short marker, which every later run took for "done". Now it is

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from . import nets
@@ -23,8 +24,8 @@ from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
 from ...storage.local import write_atomic
 from .stages import (DecoderConfig, DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _done,
-                     _mark_done, export_pipeline, read_done, save_checkpoint, train_decoder, train_teacher, train_text,
-                     train_vae)
+                     _mark_done, export_pipeline, read_done, read_json, save_checkpoint, train_decoder, train_teacher,
+                     train_text, train_vae)
 
 STAGE_ORDER = ("vae", "text", "teacher", "student", "decoder")
 
@@ -180,6 +181,13 @@ SEEDED = ("vae", "text", "teacher")
 NEEDS = {"teacher": ("vae", "text"), "student": ("teacher",), "decoder": ("vae",)}  # what each stage reads
 
 
+TEACHER_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")  # what model_index.json must list
+# the UNet's sizes a teacher is compared on with the recipe's (a config without one would load
+# with diffusers' default, a far larger UNet)
+UNET_KEYS = ("block_out_channels", "down_block_types", "up_block_types", "temporal_transformer_layers_per_block",
+             "num_attention_heads", "motion_num_attention_heads", "cross_attention_dim")
+
+
 def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> None:
     """Start the checkpoint folder ``root`` from a teacher: an exported model's ``teacher/``
     folder (an AnimateDiff folder with its VAE, text encoder and v-prediction UNet). Its parts
@@ -195,9 +203,13 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     ``steps``). Refuses a ``root`` that holds any of those stages otherwise (a half-done
     seeding included: the ``done`` markers are written last), and a teacher whose UNet is not the
     recipe's size, except that a teacher it resumes may grow temporal transformer layers
-    (``nets.grow_unet``: they start as the identity, so the teacher resumes where it was)."""
+    (``nets.grow_unet``: they start as the identity, so the teacher resumes where it was).
+
+    The folder is read and checked whole before anything is written under ``root``: a JSON
+    file of it cut short or of the wrong shape, a part that does not load, or a clipmill.json
+    without the teacher's training record (``training.stages.teacher.step``) is a ValueError
+    (FileNotFoundError for a missing file) naming the file and what is wrong."""
     import torch
-    from diffusers import AnimateDiffPipeline
 
     folder = Path(folder)
     if not (folder / "model_index.json").exists():
@@ -210,26 +222,23 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if held := [s for s in SEEDED if (root / s).exists()]:
         raise ValueError(f"--from-teacher: {root} already holds the {', '.join(held)} stage(s) (not all seeded from "
                          f"{folder}); seed an empty checkpoint folder")
-    meta = json.loads((folder / "clipmill.json").read_text()) if (folder / "clipmill.json").exists() else {}
-    if meta.get("guidance_distilled"):  # an exported model's root: its student, not its teacher
-        raise ValueError(f"--from-teacher {folder}: a distilled student's folder (its clipmill.json says "
-                         f"guidance_distilled); pass its teacher folder, {folder / (meta.get('teacher') or 'teacher')}")
-    pipe = AnimateDiffPipeline.from_pretrained(folder, dtype=torch.float32)
+    try:
+        meta, before = _teacher_record(folder)
+        pipe = _load_teacher(folder)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"--from-teacher {folder}: {e}") from None
     want = nets.build_unet(recipe.denoiser.unet).config
-    keys = ("block_out_channels", "down_block_types", "up_block_types", "temporal_transformer_layers_per_block",
-            "num_attention_heads", "motion_num_attention_heads", "cross_attention_dim")
-    before = (meta.get("training") or {}).get("stages") or {}
-    teacher = before.get("teacher") or {}
-    diff = [k for k in keys if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]
+    teacher = before["teacher"]
+    diff = [k for k in UNET_KEYS if _norm(pipe.unet.config.get(k)) != _norm(want.get(k))]
     # a teacher resumes when it is unfinished, or finished short of the recipe's steps (a recipe
     # that trains it longer); it may then grow temporal layers (nets.grow_unet refuses anything else)
-    finished = teacher.get("finished", True)
-    resumable = not finished or int(teacher.get("step") or 0) < recipe.teacher.steps
+    finished, step = teacher.get("finished", True), teacher["step"]
+    resumable = not finished or step < recipe.teacher.steps
     grow = diff == ["temporal_transformer_layers_per_block"] and resumable
     if diff and not grow:
         raise ValueError(f"--from-teacher {folder}: its UNet has " + ", ".join(f"{k}={pipe.unet.config.get(k)}" for k in diff)
                          + f"; the {recipe.name!r} recipe's has " + ", ".join(f"{k}={want.get(k)}" for k in diff))
-    prior, step = float(meta.get("noise_shared", 0.0)), int(teacher.get("step") or 0)
+    prior = float(meta.get("noise_shared", 0.0))
     wants = recipe.denoiser.shared_at(step) if resumable else recipe.denoiser.noise_shared
     if prior != wants:
         raise ValueError(f"--from-teacher {folder}: it was trained with noise_shared={prior:g} (its clipmill.json); the "
@@ -238,41 +247,138 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if pipe.scheduler.config.prediction_type != "v_prediction":
         raise ValueError(f"--from-teacher {folder}: prediction_type={pipe.scheduler.config.prediction_type!r}; "
                          "the distillation reads v-predictions ('v_prediction')")
+    ids = teacher.get("frame_markers") or []
+    if bad := [i for i in ids if not 0 <= i < pipe.text_encoder.config.vocab_size]:
+        raise ValueError(f"--from-teacher {folder}: {folder / 'clipmill.json'}: training.stages.teacher.frame_markers "
+                         f"{bad}: not token ids of its text encoder (0 to {pipe.text_encoder.config.vocab_size - 1})")
+    parts = None
+    if resumable:
+        # an unfinished teacher (or a finished one the recipe trains longer): its EMA weights become
+        # the model and the EMA at its step, with a fresh optimizer; the teacher stage resumes there
+        spec = recipe.denoiser.unet
+        ema = nets.grow_unet(pipe.unet.state_dict(), spec)
+        trained = folder / "resume" / "unet.safetensors"  # the trained weights, ahead of the EMA
+        try:
+            model = nets.grow_unet(load_file(trained), spec) if trained.exists() else copy.deepcopy(ema)
+        except (OSError, RuntimeError, SafetensorError) as e:
+            raise ValueError(f"--from-teacher {folder}: {trained} does not load ({_first_line(e)})") from None
+        if grow:
+            log(f"grew the teacher's UNet from temporal layers {pipe.unet.config.temporal_transformer_layers_per_block} "
+                f"to {spec.motion_layers} (the new layers start as the identity)")
+        opt = torch.optim.AdamW(model.parameters(), lr=recipe.teacher.lr, weight_decay=0.0)
+        parts = {"model": model, "ema": ema, "opt": opt}
+        if ids:  # learnt already: they resume from its text encoder's rows
+            markers = MarkerEmbeddings.read_from(pipe.text_encoder, ids)
+            parts.update(markers=markers, markers_ema=copy.deepcopy(markers))
+    # everything is checked: write the stages' results, then their done markers last
     check_root(root, recipe)
     origin = {"seeded_from": str(folder)}
     pipe.vae.save_pretrained(root / "vae" / "model")
-    _mark_done(root, "vae", {**(before.get("vae") or {}), **origin})
     if before.get("decoder"):  # its VAE's decoder was fine-tuned already: that stage is done too
         pipe.vae.save_pretrained(root / "decoder" / "model")
-        _mark_done(root, "decoder", {**before["decoder"], **origin})
     pipe.text_encoder.save_pretrained(root / "text" / "model")
     pipe.tokenizer.save_pretrained(root / "text" / "model")
-    _mark_done(root, "text", {**(before.get("text") or {}), **origin})
-    if not resumable:
+    if resumable:
+        save_checkpoint(root / "teacher" / "state.pt", parts, ShapesData(lambda c: c, recipe.teacher.seed + step), step,
+                        unet=recipe.denoiser.unet.as_dict(), **origin)
+    else:
         export_pipeline(root / "teacher" / "pipeline", pipe.unet, pipe.vae, pipe.text_encoder, pipe.tokenizer,
                         pipe.scheduler)
+    _mark_done(root, "vae", {**(before.get("vae") or {}), **origin})
+    _mark_done(root, "text", {**(before.get("text") or {}), **origin})
+    if before.get("decoder"):
+        _mark_done(root, "decoder", {**before["decoder"], **origin})
+    if not resumable:
         _mark_done(root, "teacher", {**teacher, **origin})
         log(f"seeded {root} from the teacher in {folder}: the vae, text and teacher stages are done")
         return
-    # an unfinished teacher (or a finished one the recipe trains longer): its EMA weights become
-    # the model and the EMA at its step, with a fresh optimizer; the teacher stage resumes there
-    spec = recipe.denoiser.unet
-    ema = nets.grow_unet(pipe.unet.state_dict(), spec)
-    trained = folder / "resume" / "unet.safetensors"  # the trained weights, ahead of the EMA
-    model = nets.grow_unet(load_file(trained), spec) if trained.exists() else copy.deepcopy(ema)
-    if grow:
-        log(f"grew the teacher's UNet from temporal layers {pipe.unet.config.temporal_transformer_layers_per_block} "
-            f"to {spec.motion_layers} (the new layers start as the identity)")
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.teacher.lr, weight_decay=0.0)
-    data = ShapesData(lambda c: c, recipe.teacher.seed + int(teacher["step"]))
-    parts = {"model": model, "ema": ema, "opt": opt}
-    if ids := teacher.get("frame_markers"):  # learnt already: they resume from its text encoder's rows
-        markers = MarkerEmbeddings.read_from(pipe.text_encoder, ids)
-        parts.update(markers=markers, markers_ema=copy.deepcopy(markers))
-    save_checkpoint(root / "teacher" / "state.pt", parts, data, int(teacher["step"]),
-                    unet=recipe.denoiser.unet.as_dict(), **origin)
     log(f"seeded {root} from the {'finished' if finished else 'unfinished'} teacher in {folder}: the vae and text stages are done, the teacher "
-        f"resumes at step {teacher['step']} of the recipe's {recipe.teacher.steps}")
+        f"resumes at step {step} of the recipe's {recipe.teacher.steps}")
+
+
+def _teacher_record(folder: Path) -> tuple[dict, dict]:
+    """A teacher folder's clipmill.json and its record of the stages that trained it
+    (``training.stages``), checked for what the seeding reads: the teacher's ``step`` (and
+    ``finished``, ``frame_markers``), the noise prior. ValueError naming the file otherwise."""
+    path = folder / "clipmill.json"
+    meta = read_json(path)
+    if meta.get("guidance_distilled"):  # an exported model's root: its student, not its teacher
+        raise ValueError(f"a distilled student's folder (its clipmill.json says guidance_distilled); pass its teacher "
+                         f"folder, {folder / (meta.get('teacher') or 'teacher')}")
+    training = meta.get("training") or {}
+    if not isinstance(training, dict):
+        raise ValueError(f"{path}: training is not a JSON object (the record of how the model was trained)")
+    before = training.get("stages") or {}
+    if not isinstance(before, dict):
+        raise ValueError(f"{path}: training.stages is not a JSON object (the record of the stages that trained it)")
+    for stage in ("vae", "text", "teacher", "decoder"):
+        if before.get(stage) is not None and not isinstance(before[stage], dict):
+            raise ValueError(f"{path}: training.stages.{stage} is not a JSON object")
+    teacher = before.get("teacher")
+    if teacher is None or "step" not in teacher:
+        what = "has no training.stages.teacher" if teacher is None else "training.stages.teacher has no 'step'"
+        raise ValueError(f"{path}: {what} (the steps the teacher ran, which say whether it is finished); pass the "
+                         "teacher folder of a model that clipmill train-model exported")
+    if not _count(teacher["step"]):
+        raise ValueError(f"{path}: training.stages.teacher.step={teacher['step']!r}: a number of steps, 0 or more")
+    if not isinstance(teacher.get("finished", True), bool):
+        raise ValueError(f"{path}: training.stages.teacher.finished={teacher['finished']!r}: true or false")
+    ids = teacher.get("frame_markers") or []
+    if not isinstance(ids, list) or not all(_count(i) for i in ids):
+        raise ValueError(f"{path}: training.stages.teacher.frame_markers={ids!r}: a list of token ids")
+    prior = meta.get("noise_shared", 0.0)
+    if isinstance(prior, bool) or not isinstance(prior, (int, float)):
+        raise ValueError(f"{path}: noise_shared={prior!r}: a number, the share of the noise common to the frames")
+    return meta, before
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _load_teacher(folder: Path):
+    """The AnimateDiff pipeline in a teacher folder, in float32. Every JSON file of it is read
+    first and the UNet's config checked for its sizes (:data:`UNET_KEYS`), then its parts
+    (:data:`TEACHER_PARTS`, of the classes its model_index.json names) load one by one, so that
+    what is wrong is named: the file, or the part that does not load. ValueError otherwise."""
+    import diffusers
+    import torch
+    import transformers
+    from diffusers import AnimateDiffPipeline
+
+    index_path = folder / "model_index.json"
+    index = read_json(index_path)
+    for path in sorted(folder.glob("*/*.json")):
+        read_json(path)
+    libraries = {"diffusers": diffusers, "transformers": transformers}
+    parts = {}
+    for name in TEACHER_PARTS:
+        entry = index.get(name)
+        if entry is None:
+            raise ValueError(f"{index_path}: no {name!r} entry (an AnimateDiff folder lists {', '.join(TEACHER_PARTS)})")
+        lib, cls = entry if isinstance(entry, list) and len(entry) == 2 else (None, None)
+        kind = getattr(libraries.get(lib), cls, None) if isinstance(cls, str) else None
+        if not (isinstance(kind, type) and hasattr(kind, "from_pretrained")):
+            raise ValueError(f"{index_path}: {name} is {entry!r}; expected [library, class] of a diffusers or "
+                             "transformers class, e.g. [\"diffusers\", \"UNetMotionModel\"]")
+        if name == "unet":
+            config = read_json(folder / name / "config.json")
+            if missing := [k for k in UNET_KEYS if k not in config]:
+                raise ValueError(f"{folder / name / 'config.json'}: no {', '.join(map(repr, missing))} (the UNet's "
+                                 "sizes; without them it would load as diffusers' default UNet)")
+        try:
+            parts[name] = kind.from_pretrained(folder / name, **({"dtype": torch.float32} if name in (
+                "unet", "vae", "text_encoder") else {}))
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+            why = _first_line(e)
+            if "mismatched_sizes" in why:  # diffusers and transformers offer to load it anyway, at random
+                why = "its weights do not fit the sizes its config.json gives"
+            raise ValueError(f"{folder / name} does not load as {lib}.{cls}: {why}") from None
+    return AnimateDiffPipeline(motion_adapter=None, **parts)
 
 
 def _norm(v):
