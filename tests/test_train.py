@@ -855,6 +855,48 @@ def test_a_stage_marker_is_written_whole_or_not_at_all_and_a_damaged_one_is_name
 
 
 @pytest.mark.slow
+def test_from_teacher_seeds_the_folder_then_stages_picks_what_runs(smoke, tmp_path):
+    """--from-teacher ran the teacher, student and decoder whatever --stages said (--stages
+    student trained the decoder too), and refused --stages decoder. Now it seeds the folder and
+    --stages picks among the stages as without it: the seeded ones are done (skipped), and a
+    stage whose inputs neither the folder nor the seeding has is refused before anything is
+    written."""
+    import shutil
+
+    ck, teacher = smoke
+    a = tmp_path / "a"
+    r = _train("--ckpt", str(a), "--from-teacher", str(teacher), "--stages", "student")
+    assert r.exit_code == 0, r.output
+    assert (a / "student" / "done").exists() and not (a / "decoder").exists()  # only the stage asked for
+    assert (a / "export" / "model_index.json").exists()  # the student trained: the model is exported
+    assert "[teacher]" not in r.output
+
+    b = tmp_path / "b"
+    r = _train("--ckpt", str(b), "--from-teacher", str(teacher), "--stages", "decoder", "--no-export")
+    assert r.exit_code == 0, r.output
+    assert (b / "decoder" / "done").exists() and not (b / "student").exists()
+    r = _train("--ckpt", str(b), "--from-teacher", str(teacher), "--stages", "vae,text,teacher", "--no-export")
+    assert r.exit_code == 0 and "[vae] done already" in r.output and "[teacher] done already" in r.output, r.output
+
+    # an unfinished teacher: the student needs it finished, so --stages student alone is refused
+    half = tmp_path / "half"
+    shutil.copytree(ck, half, ignore=shutil.ignore_patterns("student", "decoder", "pool"))
+    (half / "teacher" / "done").unlink()
+    r = _train("--ckpt", str(half), "--export-teacher", "--out", str(tmp_path / "model"))
+    assert r.exit_code == 0, r.output
+    unfinished = tmp_path / "model" / "teacher"
+    c = tmp_path / "c"
+    r = _train("--ckpt", str(c), "--from-teacher", str(unfinished), "--stages", "student")
+    assert r.exit_code == 2 and (f"Error: --stages student: the student stage needs the teacher stage(s), which {c} "
+                                 "has not finished; add them to --stages") in r.output, r.output
+    assert not c.exists()  # refused before the seeding wrote anything
+    r = _train("--ckpt", str(c), "--from-teacher", str(unfinished), "--stages", "teacher,student", "--no-export")
+    assert r.exit_code == 0, r.output
+    assert f"[teacher] resumed at step {json.loads((ck / 'teacher' / 'done').read_text())['step']}" in r.output
+    assert (c / "teacher" / "done").exists() and (c / "student" / "done").exists() and not (c / "decoder").exists()
+
+
+@pytest.mark.slow
 def test_export_model_itself_refuses_to_replace_the_checkpoints_or_a_folder_of_other_files(smoke, tmp_path):
     """The CLI refused such an --out, but export_model and export_teacher replaced whatever
     they were given: the checkpoint folder itself, or a folder of someone's files."""

@@ -41,15 +41,20 @@ def clean_caption(raw: str) -> str:
                    "started on (checkpoints load on any device).")
 @click.option("--recipe", type=click.Choice(["full", "smoke"]), default="full", show_default=True,
               help="full: the shipped model (hours on 2 CPU cores); smoke: every stage for a few steps, small nets.")
-@click.option("--stages", default=",".join(STAGES), show_default=True, help="Comma-separated stages to run, in this order.")
+@click.option("--stages", default=",".join(STAGES), show_default=True,
+              help="Comma-separated stages to run, in this order. A finished stage is skipped (one --from-teacher "
+                   "seeded too); one whose inputs are neither finished nor in the list is refused. The model is "
+                   "exported when the student is in the list.")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Export the model folder here [default: the package's built-in 'shapes' folder for --recipe full, "
                    "CKPT/export for smoke].")
 @click.option("--no-export", is_flag=True, help="Train only; do not write the model folder.")
 @click.option("--from-teacher", default=None, metavar="DIR|shapes",
               help="Seed an empty --ckpt from an exported model's teacher/ folder ('shapes': the built-in "
-                   "model's) and train the rest: the teacher's remaining steps if it has run fewer than the recipe's, "
-                   "then the student, and the decoder unless the folder's was fine-tuned already.")
+                   "model's): its vae and text stages are done, the teacher too unless it is unfinished or has run "
+                   "fewer steps than the recipe's (it resumes), the decoder if the folder's was fine-tuned. Then "
+                   "--stages runs as without it: by default the rest (teacher if unfinished, student, decoder); "
+                   "--stages student needs a finished teacher.")
 @click.option("--export-teacher", is_flag=True,
               help="Only write OUT/teacher from --ckpt's teacher (finished, or its last checkpoint's EMA, marked "
                    "unfinished so that --from-teacher resumes it) and exit.")
@@ -105,13 +110,9 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
                 verify_root(root, RECIPES[recipe].with_seed(seed))  # a smoke checkpoint is no shipped teacher
                 log(f"exported the teacher to {export_teacher_folder(root, dest / 'teacher')}")
                 return
-            if from_teacher:
-                if names not in (STAGES, ("teacher", "student"), ("student",)):
-                    raise click.BadParameter(f"{stages!r}: with --from-teacher only the teacher (if it has run fewer "
-                                             "steps than the recipe's) and the student are trained", param_hint="--stages")
+            if from_teacher:  # seeds the folder; --stages then picks among its stages as without it
                 teacher = SHAPES_DIR / "teacher" if from_teacher == "shapes" else Path(from_teacher).expanduser()
-                seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log)
-                names = ("teacher", "student", "decoder")  # finished stages are skipped
+                seed_from_teacher(teacher, root, RECIPES[recipe].with_seed(seed), log, names)
             run_all(root, RECIPES[recipe].with_seed(seed), clean_caption, log, names, dev)
             if not no_export and "student" in names:
                 # the full model's decode range is measured on its renders (the render check's limit);

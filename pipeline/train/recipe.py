@@ -14,7 +14,7 @@ import copy
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection, Sequence
 
 from safetensors import SafetensorError
 from safetensors.torch import load_file
@@ -160,15 +160,7 @@ def run_all(root: Path, recipe: Recipe, clean: Clean, log: Log, stages: tuple[st
     result. Checkpoints load onto the CPU whatever device wrote them and exported folders hold
     CPU tensors, so a run may resume on another device than it started on (the random streams
     of the noise differ between devices)."""
-    for s in stages:
-        if s not in STAGE_ORDER:
-            raise ValueError(f"stage {s!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
-    order = [s for s in STAGE_ORDER if s in stages]
-    for i, name in enumerate(order):  # what a stage reads must be done, or run before it now
-        missing = [n for n in NEEDS.get(name, ()) if n not in order[:i] and not _done(root, n)]
-        if missing and not _done(root, name):
-            raise ValueError(f"--stages {','.join(order)}: the {name} stage needs the {', '.join(missing)} stage(s), "
-                             f"which {root} has not finished; add them to --stages")
+    order = check_stages(root, stages)
     check_root(root, recipe)
     losses = {}
     for i, name in enumerate(order, 1):
@@ -181,6 +173,27 @@ SEEDED = ("vae", "text", "teacher")
 NEEDS = {"teacher": ("vae", "text"), "student": ("teacher",), "decoder": ("vae",)}  # what each stage reads
 
 
+def check_stages(root: Path, stages: Sequence[str], done: Collection[str] = ()) -> list[str]:
+    """``stages`` in the order they run (:data:`STAGE_ORDER`). Refuses (ValueError) a stage that
+    is not known, and one that is not finished and needs a stage (:data:`NEEDS`) that does not
+    run before it and is not finished in ``root``, nor among ``done`` (the stages a seeding
+    is about to finish)."""
+    for s in stages:
+        if s not in STAGE_ORDER:
+            raise ValueError(f"stage {s!r} is not known; allowed: {', '.join(STAGE_ORDER)}")
+    order = [s for s in STAGE_ORDER if s in stages]
+
+    def finished(stage: str) -> bool:
+        return stage in done or _done(root, stage)
+
+    for i, name in enumerate(order):  # what a stage reads must be done, or run before it now
+        missing = [n for n in NEEDS.get(name, ()) if n not in order[:i] and not finished(n)]
+        if missing and not finished(name):
+            raise ValueError(f"--stages {','.join(order)}: the {name} stage needs the {', '.join(missing)} stage(s), "
+                             f"which {root} has not finished; add them to --stages")
+    return order
+
+
 TEACHER_PARTS = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")  # what model_index.json must list
 # the UNet's sizes a teacher is compared on with the recipe's (a config without one would load
 # with diffusers' default, a far larger UNet)
@@ -188,7 +201,7 @@ UNET_KEYS = ("block_out_channels", "down_block_types", "up_block_types", "tempor
              "num_attention_heads", "motion_num_attention_heads", "cross_attention_dim")
 
 
-def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> None:
+def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log, stages: Sequence[str] | None = None) -> None:
     """Start the checkpoint folder ``root`` from a teacher: an exported model's ``teacher/``
     folder (an AnimateDiff folder with its VAE, text encoder and v-prediction UNet). Its parts
     become the results of the ``vae``, ``text`` and ``teacher`` stages, marked done, so that only
@@ -208,7 +221,10 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     The folder is read and checked whole before anything is written under ``root``: a JSON
     file of it cut short or of the wrong shape, a part that does not load, or a clipmill.json
     without the teacher's training record (``training.stages.teacher.step``) is a ValueError
-    (FileNotFoundError for a missing file) naming the file and what is wrong."""
+    (FileNotFoundError for a missing file) naming the file and what is wrong. With ``stages``,
+    the stages the run goes on with (``run_all``'s), a stage among them whose inputs neither
+    ``root`` nor this seeding finishes (``--stages student`` after an unfinished teacher) is
+    refused then too (:func:`check_stages`)."""
     import torch
 
     folder = Path(folder)
@@ -251,6 +267,9 @@ def seed_from_teacher(folder: Path, root: Path, recipe: Recipe, log: Log) -> Non
     if bad := [i for i in ids if not 0 <= i < pipe.text_encoder.config.vocab_size]:
         raise ValueError(f"--from-teacher {folder}: {folder / 'clipmill.json'}: training.stages.teacher.frame_markers "
                          f"{bad}: not token ids of its text encoder (0 to {pipe.text_encoder.config.vocab_size - 1})")
+    if stages is not None:  # the stages to run after it: their inputs seeded, or run before them
+        check_stages(root, stages, done={"vae", "text"} | ({"decoder"} if before.get("decoder") else set())
+                     | (set() if resumable else {"teacher"}))
     parts = None
     if resumable:
         # an unfinished teacher (or a finished one the recipe trains longer): its EMA weights become
