@@ -818,6 +818,44 @@ def test_from_teacher_with_a_broken_or_incomplete_folder_is_one_line_naming_the_
 
 
 @pytest.mark.slow
+def test_a_second_run_on_a_checkpoint_folder_in_use_stops_at_once_naming_who_holds_it(tmp_path):
+    """Two train-model runs on one --ckpt wrote the same state.tmp and checkpoints: the second
+    now stops before it touches anything (exit 3, as a second nightly run does), naming the
+    folder and the process that holds it; once that one is gone the folder is free again."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    args = [sys.executable, "-m", "clipmill.jobs.cli", "train-model", "--recipe", "smoke", "--ckpt", str(ck), "--no-export"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.Popen(args, stderr=subprocess.PIPE, text=True, env=env)  # every stage: about a minute
+    try:
+        lines = []
+        for line in first.stderr:
+            lines.append(line)
+            if "== stage 1/" in line:
+                break
+        second = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+        assert second.returncode == 3, second.stderr
+        assert (f"Error: --ckpt {ck}: another train-model run holds this checkpoint folder (pid {first.pid} on "
+                f"{socket.gethostname()}, its lock {ck / 'train.lock'})") in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr and "[vae]" not in second.stderr
+        first.send_signal(signal.SIGTERM)
+        rest = first.stderr.read()
+        assert first.wait(timeout=120) == 130, "".join(lines) + rest
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    again = subprocess.run([*args, "--stages", "vae"], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr  # free once the first run has ended
+    assert json.loads((ck / "vae" / "done").read_text())["step"] == 20
+
+
+@pytest.mark.slow
 def test_a_stage_marker_is_written_whole_or_not_at_all_and_a_damaged_one_is_named(tmp_path):
     """A done marker was written in place: a disk that filled (here: a file size limit) or a
     kill mid-write left a cut-short marker, which every later run took for "done". Now it is

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -10,14 +11,40 @@ import click
 
 from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, BadInput, SetupError, default_device, domain_errors,
                                       interruptible)
+from clipmill.jobs.core.locks import exclusive_lock
 
 STAGES = ("vae", "text", "teacher", "student", "decoder")
+LOCK = "train.lock"  # in the checkpoint folder: one train-model run at a time works it
 
 
 def default_root(recipe: str) -> Path:
     """``$CLIPMILL_TRAIN_DIR`` or ``~/.cache/clipmill/train`` (``-smoke`` appended for the smoke recipe)."""
     base = Path(os.environ.get("CLIPMILL_TRAIN_DIR") or Path.home() / ".cache" / "clipmill" / "train").expanduser()
     return base if recipe == "full" else base.with_name(f"{base.name}-{recipe}")
+
+
+@contextlib.contextmanager
+def hold_checkpoints(root: Path):
+    """Hold the checkpoint folder ``root`` for this run: an exclusive lock on ``root/train.lock``
+    (``jobs.core.locks``), so that a second run on it stops at once (SetupError, exit 3, as a
+    second nightly run does) instead of writing the same checkpoints. A folder this run made and
+    leaves holding nothing but the lock (a run refused before it wrote anything) is removed again."""
+    made = [p for p in (root, *root.parents) if not p.exists()]  # the folders the lock creates, deepest first
+    lock = root / LOCK
+
+    def busy(holder: str) -> SetupError:
+        return SetupError(f"--ckpt {root}: another train-model run holds this checkpoint folder ({holder}, its lock "
+                          f"{lock}); wait for it to end, or give another --ckpt")
+
+    with exclusive_lock(lock, busy):
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # what the run raised matters more
+                if made and [p.name for p in root.iterdir()] == [LOCK]:
+                    lock.unlink()  # while this run holds the lock: a run waiting on it locks a new file
+                    for folder in made:
+                        folder.rmdir()  # fails (and stops) where another run has put its lock by now
 
 
 def clean_caption(raw: str) -> str:
@@ -64,7 +91,8 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
     decoder fine-tuned on whole clips (encoder frozen); export it into the package.
 
     Each stage prints its progress and keeps a checkpoint under --ckpt; a killed run resumes
-    from there when the same command is run again, and finished stages are skipped.
+    from there when the same command is run again, and finished stages are skipped. One run at
+    a time works a --ckpt folder (it holds CKPT/train.lock): a second one stops at once (exit 3).
 
     \b
     Example:
@@ -103,9 +131,10 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
     def log(msg: str) -> None:
         click.echo(f"{time.strftime('%H:%M:%S')} {msg}", err=True)
 
-    log(f"training recipe {recipe!r}, seed {seed}, on {dev} ({threads} CPU thread(s)), checkpoints in {root}")
     try:
-        with interruptible():  # SIGTERM stops it as Ctrl-C does (exit 130)
+        # SIGTERM stops it as Ctrl-C does (exit 130); the checkpoint folder is this run's until it ends
+        with interruptible(), hold_checkpoints(root):
+            log(f"training recipe {recipe!r}, seed {seed}, on {dev} ({threads} CPU thread(s)), checkpoints in {root}")
             if export_teacher:
                 verify_root(root, RECIPES[recipe].with_seed(seed))  # a smoke checkpoint is no shipped teacher
                 log(f"exported the teacher to {export_teacher_folder(root, dest / 'teacher')}")

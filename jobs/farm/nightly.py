@@ -13,10 +13,8 @@ the workers that goes on being taken: the prediction has that much less of them.
 
 from __future__ import annotations
 
-import fcntl  # POSIX: the SQLite nightly lock (clipmill runs on Linux and macOS)
 import json
 import logging
-import os
 import re
 import threading
 from contextlib import contextmanager
@@ -28,6 +26,7 @@ from zoneinfo import ZoneInfo
 from sqlalchemy import func, or_, select, text, update
 
 from clipmill.jobs.core.db import Database, sqlite_file
+from clipmill.jobs.core.locks import exclusive_lock
 from clipmill.jobs.core.models import Attempt, Job, PreviewSession
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.dispatch import BrokerDown, reconcile
@@ -238,9 +237,9 @@ def single_run(db: Database):
     ``idle_in_transaction_session_timeout`` cannot end the session and silently drop the lock;
     the session also turns its ``idle_session_timeout`` off.
 
-    SQLite (one machine): an exclusive ``flock`` on ``DB.nightly.lock`` beside the database file.
-    The file stays when the run ends; only the lock on it matters. An in-memory database, which
-    one process alone can see, takes none.
+    SQLite (one machine): an exclusive ``flock`` on ``DB.nightly.lock`` beside the database file
+    (``jobs.core.locks``). The file stays when the run ends; only the lock on it matters. An
+    in-memory database, which one process alone can see, takes none.
     """
     if db.engine.dialect.name == "postgresql":
         with _pg_lock(db):
@@ -277,23 +276,10 @@ def _pg_lock(db: Database):
         conn.close()
 
 
-@contextmanager
 def _file_lock(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise NightlyRunning(f"another nightly run is in progress on this database (it holds {path}); "
-                                 "this one stops. On SQLite one nightly run works a database file at a time.")
-        try:
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for people
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+    return exclusive_lock(path, lambda holder: NightlyRunning(
+        f"another nightly run is in progress on this database (it holds {path}); this one stops. On SQLite one "
+        f"nightly run works a database file at a time. The lock is held by {holder}."))
 
 
 def run_farm(db: Database, sup: Supervisor, interval: float = 30.0, stop: threading.Event | None = None) -> bool:
