@@ -62,8 +62,8 @@ def check_dest(dest: Path | str, ckpt_dir: Path | str) -> None:
         raise ValueError(f"{dest}: the export replaces this folder, which is or holds the checkpoint folder {root}; "
                          "give another folder")
     if r in d.parents and not (d == r / "export" or r / "export" in d.parents):
-        raise ValueError(f"{dest}: inside the checkpoint folder {root} (only its export/ folder may be); give another "
-                         "folder")
+        raise ValueError(f"{dest}: inside the checkpoint folder {root} (only its export/ folder, or a folder in that, "
+                         "may be); give another folder")
     if d.is_dir() and any(d.iterdir()) and not ((d / "model_index.json").exists() or (d / "clipmill.json").exists()):
         raise ValueError(f"{dest}: holds files but is not a model folder (no model_index.json); the export replaces "
                          "the folder whole: give a new or empty folder, or a model folder to replace")

@@ -19,10 +19,10 @@ from typing import Callable, Collection, Sequence
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from ...storage.local import write_atomic
 from . import nets
 from .data import Clean, ShapesData
 from .distill import LCMConfig, train_student
-from ...storage.local import write_atomic
 from .stages import (DecoderConfig, DenoiserConfig, Device, Log, MarkerEmbeddings, StageConfig, StageResult, _done,
                      _mark_done, export_pipeline, read_done, read_json, save_checkpoint, train_decoder, train_teacher,
                      train_text, train_vae)

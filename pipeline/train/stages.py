@@ -139,6 +139,9 @@ def resume(path: Path, parts: dict, data, log: Log, stage: str, check: Callable[
     return state["step"]
 
 
+JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
 def read_json(path: Path) -> dict:
     """The JSON object in the file ``path``: FileNotFoundError when there is none, ValueError
     naming the file when it is not JSON (cut short, empty) or holds something else."""
@@ -151,9 +154,6 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: holds a JSON {JSON_KINDS.get(type(data), type(data).__name__)}, not a JSON object")
     return data
-
-
-JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def read_done(root: Path, stage: str) -> dict | None:
