@@ -230,3 +230,18 @@ def test_local_names_with_a_colon_and_the_index_first(tmp_path):
     with pytest.raises(ValueError):
         encode_h264(frames[:, :, :63], 24, path)  # refused before anything is written
     assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+def test_qc_on_a_terminal_that_cannot_show_a_file_name_escapes_it(tmp_path):
+    """An ASCII-only terminal (PYTHONIOENCODING=ascii, LANG=C on an old system) and a clip named
+    in Chinese: the verdict (flat frames: reject) is printed with the name escaped (it was a UnicodeEncodeError
+    traceback, exit 1)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ünï 名前.mp4"
+    encode_h264(_numbered(4), 8, path)
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "qc", str(path)], capture_output=True,
+                          env=dict(os.environ, PYTHONIOENCODING="ascii"), timeout=120)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert proc.stdout.startswith(b"reject ") and b"\\xfcn\\xef \\u540d\\u524d.mp4\n    flat: " in proc.stdout, proc.stdout

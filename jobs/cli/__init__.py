@@ -40,8 +40,9 @@ def main(verbose: int, log_json: bool) -> None:
       1  a job failed, an ad could not be assembled, or export found nothing approved
       2  usage or bad input: nothing was done, the job table is unchanged
       3  setup: model, device or storage unusable, no broker configured (or, for
-         reconcile, unreachable), or another nightly run holds the lock; the run
-         stops once and its jobs stay queued (clipmill run --resume BATCH continues)
+         reconcile, unreachable), or another nightly run holds the lock (another
+         train-model run the checkpoint folder); the run stops once and its jobs
+         stay queued (clipmill run --resume BATCH continues)
       130  run, nightly or train-model interrupted (Ctrl-C or SIGTERM): the group being
          rendered went back to queued with its attempts unspent (clipmill run --resume
          BATCH); train-model keeps its checkpoints (run it again to resume)

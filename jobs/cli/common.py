@@ -20,6 +20,9 @@ from rich.markup import escape
 from clipmill.pipeline.models import SHAPES, TINY_MODELS, TINY_WARNING, ModelError
 from clipmill.pipeline.choices import SAMPLERS, TIERS
 
+for _stream in (sys.stdout, sys.stderr):  # a terminal that cannot show a character gets it escaped, not a traceback
+    if callable(getattr(_stream, "reconfigure", None)):
+        _stream.reconfigure(errors="backslashreplace")
 err = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 160)
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
