@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from . import i420
-from .video import local
+from .video import local, replacing
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")
@@ -230,8 +230,7 @@ def encode(source: Callable[[], Iterator[np.ndarray]], n_frames: int, fps: float
     complete. Returns what was made: bytes, the video bitrate cap used and whether the file was
     encoded again to fit ``max_bytes``. Raises DeliveryError when it cannot fit."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    with replacing(path) as tmp:
         _encode_once(source(), fps, size, tmp, delivery, delivery.max_kbps, audio, rate)
         made = {"bytes": tmp.stat().st_size, "max_kbps": delivery.max_kbps, "reencoded": False}
         if delivery.max_bytes and made["bytes"] > delivery.max_bytes:
@@ -255,11 +254,7 @@ def encode(source: Callable[[], Iterator[np.ndarray]], n_frames: int, fps: float
             else:
                 raise DeliveryError(f"{path.name}: {made['bytes']:,} bytes at {target} kbit/s, still over max_size "
                                     f"{delivery.max_bytes:,} bytes")
-        os.replace(tmp, path)
         return made
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, abr: bool = False) -> None:

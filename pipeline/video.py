@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import secrets
+from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -12,13 +15,28 @@ CODEC = "libx264"
 PIX_FMT = "yuv420p"  # what browsers play
 
 
-STILL_FORMATS = ("image2", "png_pipe", "jpeg_pipe", "webp_pipe", "bmp_pipe", "tiff_pipe", "gif")  # pictures, not clips
-PREALLOC_BYTES = 1 << 30  # decode fills at most this much in place from the stated frame count
-MAX_HOLD_FRAMES = 100_000  # a variable-rate clip's frames at its constant rate: more means broken timestamps
+STILL_FORMATS = ("image2", "png_pipe", "jpeg_pipe", "webp_pipe", "bmp_pipe", "tiff_pipe")  # pictures, not clips
+PREALLOC_BYTES = 1 << 30  # decode fills in place from a stated frame count its duration does not back up to this much
+HOLD_BYTES = 2 << 30  # a variable-rate file may grow past 4x its stored frames, played at one rate, up to this much
 
 
 class VideoError(ValueError):
     """A file that cannot be read as video."""
+
+
+@contextmanager
+def replacing(path: str | Path) -> Iterator[Path]:
+    """A temporary file's path beside ``path`` (beside its target, when it is a link) to write
+    into: renamed over it when the block ends, removed when the block raises, so ``path`` is
+    whole or as it was (a full disk, a crash mid-write). The temporary name is short whatever
+    the target's (a name near the file system's 255-byte limit)."""
+    real = Path(os.path.realpath(path))
+    tmp = real.with_name(f".clipmill-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, real)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def local(path: str | Path) -> str:
@@ -32,8 +50,8 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18)
     """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
 
     Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped. Written
-    to a temporary file beside ``path`` and renamed over it; a write that fails (a full disk:
-    ``OSError``) leaves no partial file.
+    to a temporary file beside ``path`` and renamed over it (``replacing``); a write that fails
+    (a full disk: ``OSError``) leaves no partial file.
     """
     import av
 
@@ -46,9 +64,7 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18)
     if h % 2 or w % 2:
         raise ValueError(f"frames: {w}x{h} has an odd side; yuv420p needs even width and height")
     rate = Fraction(fps).limit_denominator(1001)
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    with replacing(path) as tmp:
         # the index (moov) first, so a browser starts playing before it has the whole file
         with av.open(local(tmp), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
             stream = out.add_stream(CODEC, rate=rate)
@@ -59,9 +75,6 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18)
                     out.mux(packet)
             for packet in stream.encode():
                 out.mux(packet)
-        os.replace(tmp, path)  # whole or not at all: a full disk leaves the old file, not half a new one
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _why(e: Exception) -> str:
@@ -125,9 +138,9 @@ def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
             stated = tuple(float(r) for r in (stream.guessed_rate, stream.average_rate) if r)
             fps = float(stream.average_rate or stream.guessed_rate or 0)
             w, h = stream.codec_context.width, stream.codec_context.height
-            out = None  # filled in place up to the frame count the container states (a header may lie: at most 1 GiB)
+            out = None  # filled in place up to the frame count the container states, where it is believable
             if stream.frames and w and h:
-                out = np.empty((min(stream.frames, PREALLOC_BYTES // (w * h * 3) + 1), h, w, 3), np.uint8)
+                out = np.empty((_believable(stream, w * h * 3), h, w, 3), np.uint8)
             more, times, rotation, size, n = [], [], 0, None, 0
             for f in container.decode(stream):
                 if size is None:
@@ -156,14 +169,30 @@ def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
         out = out[:n]
     del more
     if (cfr := constant_rate(times, stated)) is not None:
-        order, fps = cfr
-        if len(order) > MAX_HOLD_FRAMES:
-            raise VideoError(f"{path}: its timestamps span {len(order)} frames at {fps:g} fps for {n} stored; "
-                             f"at most {MAX_HOLD_FRAMES} (are its timestamps broken?)")
-        out = out[order]
+        order, rate = cfr
+        grown = len(order) * out[0].nbytes
+        if len(order) > 4 * n and grown > HOLD_BYTES:
+            raise VideoError(f"{path}: a variable-rate file of {n} frames that plays as {len(order)} at {rate:g} fps "
+                             f"({grown / 2**30:.1f} GiB of {w}x{h} frames; a long held picture, or broken timestamps); "
+                             f"clips are read whole, at most {HOLD_BYTES / 2**30:g} GiB and 4x the stored frames this "
+                             "way: cut it shorter")
+        out, fps = out[order], rate
     if rotation % 360:
         out = np.ascontiguousarray(np.rot90(out, k=round(rotation / 90) % 4, axes=(1, 2)))
     return out, fps
+
+
+def _believable(stream, frame_bytes: int) -> int:
+    """The frames to make room for: the count the container states, when its duration backs it
+    up (a header may claim 2e9 frames: 335 TiB), else at most ``PREALLOC_BYTES`` of them."""
+    limit = PREALLOC_BYTES // frame_bytes + 1
+    try:
+        seconds = float(stream.duration * stream.time_base)
+        rate = float(stream.average_rate or stream.guessed_rate)
+        limit = max(limit, int(seconds * rate * 1.1) + 16)
+    except (TypeError, ZeroDivisionError):  # no duration or no rate stated
+        pass
+    return min(stream.frames, limit)
 
 
 def constant_rate(times: list[float | None], rates: tuple[float, ...] = ()) -> tuple[list[int], float] | None:
@@ -175,13 +204,16 @@ def constant_rate(times: list[float | None], rates: tuple[float, ...] = ()) -> t
     container's last duration is often wrong). Pure: a function of the timestamps alone."""
     if len(times) < 3 or any(t is None for t in times):
         return None
-    tick = float(np.median(np.diff(np.asarray(times, dtype=np.float64))))
-    if tick <= 0:
+    t = np.asarray(times, dtype=np.float64)
+    gaps = np.diff(t)
+    if np.any(gaps <= 0):  # times that go back (segments joined byte for byte) or repeat: read as stored
+        return None
+    tick = float(np.median(gaps))
+    on_grid = [r for r in (*rates, 1.0 / tick) if r > 0 and _fits(t, 1.0 / r)]
+    if on_grid:  # one frame a tick of a stated rate or its own (millisecond timestamps of 120 fps included)
         return None
     rate = next((r for r in rates if r > 0 and abs(r * tick - 1) < 0.02), 1.0 / tick)
     tick, t0 = 1.0 / rate, times[0]
-    if all(abs(t - t0 - i * tick) < tick / 2 for i, t in enumerate(times)):
-        return None
     order, i = [], 0
     for k in range(round((times[-1] - t0) * rate) + 1):
         t = t0 + k * tick + tick / 2  # the frame on screen at the middle of the tick
@@ -189,6 +221,11 @@ def constant_rate(times: list[float | None], rates: tuple[float, ...] = ()) -> t
             i += 1
         order.append(i)
     return order, rate
+
+
+def _fits(t: np.ndarray, tick: float) -> bool:
+    """Whether frame i of times ``t`` lies within half a tick of the i-th tick after the first."""
+    return bool(np.all(np.abs(t - t[0] - np.arange(len(t)) * tick) < tick / 2))
 
 
 def _rgb(frame, dst: np.ndarray | None = None) -> np.ndarray:

@@ -221,6 +221,10 @@ def test_another_sites_page_cannot_start_steer_or_queue_a_preview(tmp_path):
             assert status == 403 and body.startswith(f"403: Host 'evil.example:{port}' refused: this review server "
                                                      "has no token"), (path, status, body)
         assert _get(url + "/api/preview", {"Host": f"localhost:{port}"})[0] == 200
+        # headers that do not parse are refused too (they were a 500)
+        assert _get(url + "/api/preview", {"Host": "[::1"})[0] == 403
+        status, body = _get(stream, {"Origin": "http://[::1"})
+        assert status == 403 and "cross-site request from http://[::1 refused" in body, (status, body)
         assert _active(url) == 0
         # this server's own page passes the check (and the seed's, which fails before any model loads)
         status, body = _get(stream + "&seed=-1", {"Origin": url, "Sec-Fetch-Site": "same-origin"})

@@ -218,18 +218,105 @@ def test_a_portrait_clip_stored_on_its_side_decodes_upright(tmp_path):
 
 def test_local_names_with_a_colon_and_the_index_first(tmp_path):
     """A file named like an ISO time is a file, not a URL (FFmpeg read 'take1:' as a protocol);
-    encode_h264 writes the index (moov) before the media (mdat), so a browser plays at once, and
-    through a temporary file: a failed write leaves the old file whole and no temporary behind."""
-    frames = _numbered(6)
+    encode_h264 writes the index (moov) before the media (mdat), so a browser plays at once."""
     path = tmp_path / "2024-05-01T12:30:00.mp4"
-    encode_h264(frames, 24, path)
+    encode_h264(_numbered(6), 24, path)
     assert len(decode(path)[0]) == 6 and probe(path)["frames"] == 6
     data = path.read_bytes()
     assert 0 < data.find(b"moov") < data.find(b"mdat"), "the index is not at the start"
-    old = data
-    with pytest.raises(ValueError):
-        encode_h264(frames[:, :, :63], 24, path)  # refused before anything is written
-    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == [path.name]
+
+
+FULL_DISK = """
+import resource, signal, sys
+import numpy as np
+from clipmill.pipeline.video import encode_h264
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+frames = np.random.default_rng(0).integers(0, 255, (24, 128, 128, 3), dtype=np.uint8)
+try:
+    encode_h264(frames, 24, sys.argv[1])
+except OSError as e:
+    print("OSError", e.errno)
+"""
+
+
+def test_a_failed_encode_leaves_the_old_file_whole_and_no_temporary(tmp_path):
+    """encode_h264 writes through a temporary file renamed over the target: a write that fails
+    part way (a file-size limit standing in for a full disk) raises OSError, and the old clip
+    is as it was, with nothing else left in the folder; through a link, the link's target is
+    what is replaced; a name near the 255-byte limit still has room for the temporary one."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "clip.mp4"
+    encode_h264(_numbered(4), 24, path)
+    old = path.read_bytes()
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "OSError 27", proc.stdout + proc.stderr  # EFBIG
+    assert path.read_bytes() == old and sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+    link = tmp_path / "latest.mp4"
+    link.symlink_to(path)
+    encode_h264(_numbered(6), 24, link)
+    assert link.is_symlink() and len(decode(path)[0]) == 6
+    long = tmp_path / ("x" * 250 + ".mp4")
+    encode_h264(_numbered(4), 24, long)
+    assert len(decode(long)[0]) == 4
+
+
+def _mkv(path, frames: np.ndarray, rate: int) -> None:
+    """Matroska stores whole milliseconds: at 120 fps the gaps are 8 and 9 ms."""
+    import av
+
+    with av.open(str(path), "w", format="matroska") as c:
+        s = c.add_stream("ffv1", rate=rate)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+@pytest.mark.parametrize("rate", [60, 75, 120, 240])
+def test_constant_rate_files_with_millisecond_timestamps_read_as_stored(tmp_path, rate):
+    """Rounded timestamps are one frame a tick of the stated rate: nothing repeated or dropped
+    (the first check repeated frames of 120 fps Matroska and dropped one of 60 fps)."""
+    frames = _numbered(23)
+    _mkv(tmp_path / "c.mkv", frames, rate)
+    got, fps = decode(tmp_path / "c.mkv")
+    assert len(got) == 23 and round(fps) == rate, (len(got), fps)
+    assert [round(float(f.mean()) / 10) * 10 - 20 for f in got] == list(range(0, 230, 10))
+
+
+def test_times_that_go_back_and_a_long_hold_and_an_animated_gif(tmp_path):
+    """Two transport streams joined byte for byte (how HLS downloads are saved) go back in time
+    half way: read as stored, every frame (the first check dropped half). A hold that would grow
+    a file past 4x its frames and 2 GiB is refused by name, not a MemoryError. An animated GIF
+    is a clip (a still picture is not)."""
+    import av
+
+    rng = np.random.default_rng(0)
+    _mpeg_ts(rng.integers(0, 255, (10, 64, 96, 3), dtype=np.uint8), tmp_path / "a.ts")
+    joined = tmp_path / "ab.ts"
+    joined.write_bytes((tmp_path / "a.ts").read_bytes() * 2)
+    assert len(decode(joined)[0]) == 20
+    times = [0.0, 1 / 30, 2 / 30, 3 / 30, 3600.0]  # an hour's hold at 30 fps of 1280x720: 290 GiB
+    assert len(constant_rate(times, (30.0,))[0]) == 108_001
+    hold = tmp_path / "hold.mp4"
+    _mp4(hold, _numbered(5, 720, 1280), [0, 33, 67, 100, 3_600_000])
+    with pytest.raises(VideoError, match=r"hold.mp4: a variable-rate file of 5 frames that plays as 10\d{4} at [\d.]+ "
+                                         r"fps \(2\d\d\.\d GiB of 1280x720 frames; a long held picture"):
+        decode(hold)
+    gif = tmp_path / "anim.gif"
+    with av.open(str(gif), "w", format="gif") as c:
+        s = c.add_stream("gif", rate=10)
+        s.width, s.height, s.pix_fmt = 96, 64, "rgb8"
+        for f in _numbered(6):
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="rgb8")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+    assert len(decode(gif, min_frames=2)[0]) == 6
 
 
 def test_qc_on_a_terminal_that_cannot_show_a_file_name_escapes_it(tmp_path):

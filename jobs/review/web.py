@@ -64,6 +64,15 @@ def _same(given: str, token: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 
+def _netloc(url: str, part: str = "netloc") -> str | None:
+    """``urlsplit(url)``'s netloc (or hostname), from a header; None for one that does not parse
+    (a Host or Origin of ``[::1`` raised ValueError: a 500 instead of the 403)."""
+    try:
+        return getattr(urlsplit(url), part)
+    except ValueError:
+        return None
+
+
 def same_origin(request: Request) -> None:
     """Refuse (403) a request that another site's page made the browser send: its Origin must be
     this server's host:port; without an Origin (a browser's GET from its own page, an address
@@ -71,7 +80,7 @@ def same_origin(request: Request) -> None:
     host = request.headers.get("host", "")
     origin = request.headers.get("origin")
     if origin is not None:
-        if urlsplit(origin).netloc != host:
+        if not host or _netloc(origin) != host:
             raise HTTPException(403, f"cross-site request from {origin} refused: only this server's own pages "
                                      f"({host}) may do that")
         return
@@ -87,8 +96,7 @@ def loopback_host(request: Request) -> str | None:
     browser names must be a loopback name. Another name that resolves here is DNS rebinding: a
     site whose name is pointed at 127.0.0.1 after its page loaded would be its own origin."""
     host = request.headers.get("host", "")
-    name = urlsplit("//" + host).hostname if host else None
-    if name in LOOPBACK:
+    if _netloc("//" + host, "hostname") in LOOPBACK:
         return None
     return (f"403: Host {host!r} refused: this review server has no token, so it answers only to "
             f"{', '.join(LOOPBACK)} (start it with --token to serve other names)\n")
