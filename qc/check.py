@@ -21,6 +21,36 @@ from clipmill.qc.metrics import Series, measure, runs, working_size
 MIN_SIDE = 32  # px: the smallest side of QC's working copy (DIS optical flow crashes on 320x24)
 
 
+MAX_SECONDS = 3600.0  # the longest span a *_seconds setting takes: an hour, far longer than any clip QC can hold
+# Settings with a true range (a share, a ratio, a luma level) or a sane cap (a span of time):
+# (lowest, highest, what the value is). The others take any finite number of 0 or more (an SSIM
+# limit: up to 1, and below 0 too).
+_LUMA = "luma levels (0 to 255)"
+RANGES: dict[str, tuple[float, float, str]] = {
+    "black_luma": (0, 255, _LUMA),
+    "black_spread": (0, 255, _LUMA),
+    "uniform_spread": (0, 255, _LUMA),
+    "spike_min": (0, 255, _LUMA),
+    "block_floor": (0, 255, _LUMA),
+    "block_min": (0, 255, _LUMA),
+    "flicker_luma": (0, 255, _LUMA),
+    "frozen_diff": (0, 255, _LUMA),
+    "frozen_change": (0, 255, _LUMA),
+    "exposure_luma": (0, 255, "a rise in mean luma, which runs from 0 to 255"),
+    "exposure_clip": (0, 1, "a share of the frame's pixels (0.03 = 3%)"),
+    "exposure_saturation": (0, 1, "a rise in saturation, which runs from 0 to 1"),
+    "frozen_flow_ratio": (0, 1, "a share of the clip's 75th-percentile flow (0.1 = 10%)"),
+    "boiling_area": (0, 1, "a share of the frame (0.015 = 1.5%)"),
+    "block_concentration": (0, 255, "a ratio of a region's residual (at most 255 levels) to the frame's plus 1"),
+    "border_line": (0, 510, "levels a line stands apart (r0 - 2 r3 + r6 of 0..255 values: at most 510)"),
+    "boiling_hp": (0, 2, "a ratio of texture residual to texture, which is at most 2"),
+    "blur_ratio": (0, 1, "a share of the first quarter's sharpness (0.6 = 60%)"),
+    "block_seconds": (0, MAX_SECONDS, "seconds (QC holds a whole clip in memory: a clip it checks is seconds long)"),
+    "frozen_seconds": (0, MAX_SECONDS, "seconds (QC holds a whole clip in memory: a clip it checks is seconds long)"),
+    "boiling_seconds": (0, MAX_SECONDS, "seconds (QC holds a whole clip in memory: a clip it checks is seconds long)"),
+}
+
+
 @dataclass(frozen=True)
 class QCConfig:
     max_side: int = 320  # long side of the working copy
@@ -77,9 +107,19 @@ class QCConfig:
     def __post_init__(self):
         for f in fields(self):  # a NaN limit compares false with everything: its check would never fire
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{f.name} = {v!r}: allowed a finite number")
-            if v < 0 and "ssim" not in f.name:  # an SSIM runs from -1 to 1: below -1 turns its check off
+            if isinstance(v, float) and not math.isfinite(v):  # an int is finite (and may be too large for a float)
+                raise ValueError(f"{f.name} = {v!r}: allowed a finite number")
+            if f.name in RANGES:
+                lo, hi, what = RANGES[f.name]
+                if not lo <= v <= hi:
+                    raise ValueError(f"{f.name} = {v!r}: allowed {lo:g} to {hi:g}, {what}")
+            elif "ssim" in f.name:  # an SSIM runs from -1 to 1: below -1 turns its check off
+                if v > 1:
+                    raise ValueError(f"{f.name} = {v!r}: allowed 1 or less, an SSIM (it runs from -1 to 1; "
+                                     "below -1 the check never fires)")
+            elif v < 0:
                 raise ValueError(f"{f.name} = {v!r}: allowed a finite number of 0 or more")
         if not 1 <= self.border_sides <= 4:
             raise ValueError(f"border_sides = {self.border_sides}: allowed 1-4 (a frame has 4 sides)")
@@ -188,12 +228,13 @@ def block_events(cells: np.ndarray, floor: float, jump: float, min_value: float,
     m = len(cells)
     if m < 2:
         return []
-    flat = cells.reshape(m, -1)
+    flat = cells.reshape(m, -1).astype(np.float64)  # float64: any finite jump limit compares without overflow
     pad = np.concatenate([flat[:1], flat[:1], flat, flat[-1:], flat[-1:]])
     past = np.maximum(pad[:m], pad[1 : m + 1])
     future = np.maximum(pad[3 : m + 3], pad[4 : m + 4])
-    onset = (flat - past) / (past + floor)
-    end = (flat - future) / (future + floor)
+    with np.errstate(divide="ignore", invalid="ignore"):  # floor 0 on a still region: a jump from 0 is infinite
+        onset = (flat - past) / (past + floor)
+        end = (flat - future) / (future + floor)
     on = (onset > jump) & (flat > min_value)
     off = (end > jump) & (flat > min_value)
     events = []
@@ -394,7 +435,7 @@ def verdict(s: Series, fps: float, cfg: QCConfig = QCConfig()) -> QCResult:
     # 8. a line along the frame's edges, in the same place in every frame
     per_side = border_by_side(s)
     k = cfg.border_sides
-    if per_side[k - 1] > cfg.border_line:
+    if float(per_side[k - 1]) > cfg.border_line:
         reasons.append(
             f"border: frames 0-{n - 1} (a line along {k} of the frame's 4 sides stands apart from the picture "
             f"inside it by {_cmp(per_side[k - 1], '>', cfg.border_line, 1)} levels: a decoder's edge artefact, "

@@ -133,7 +133,8 @@ def test_config_from_toml_and_overrides(tmp_path):
         ("black_luma = true\n", "black_luma = True is not a number"),
         ('black_luma = "12"\n', "black_luma = '12' is not a number"),
         ("black_luma = nan\n", "black_luma = nan: allowed a finite number"),
-        ("spike_min = -1\n", "spike_min = -1.0: allowed a finite number of 0 or more"),
+        ("spike_factor = -1\n", "spike_factor = -1.0: allowed a finite number of 0 or more"),
+        ("spike_min = -1\n", "spike_min = -1.0: allowed 0 to 255, luma levels (0 to 255)"),
         ("black_luma = 5\n[qc]\nblack_luma = 6\n", "black_luma is set both at the top and in [qc]; set it once"),
     ]:
         (tmp_path / "v.toml").write_text(text)
@@ -275,3 +276,52 @@ def test_a_contact_sheet_that_cannot_be_written_costs_no_verdict(tmp_path):
     assert f"error: --sheet: cannot write {tmp_path / 'a.mp4'}.sheet.png (Is a directory)" in res.stderr
     assert "1 contact sheet(s) could not be written" in res.stderr
     assert (tmp_path / "b.mp4.sheet.png").stat().st_size > 0
+
+
+def test_qc_settings_past_their_range_are_refused_and_their_limits_run(tmp_path):
+    """`--set boiling_area=1.5` (a share read as a percentage) raised a ValueError traceback in
+    np.quantile, and frozen_seconds, block_seconds or boiling_seconds = 1e308 an OverflowError,
+    each ending the run with the files after it unchecked. Each share or ratio is refused above
+    its true bound, each span of time above an hour, with the source, the value, the range and
+    why; a value at a bound runs to a verdict."""
+    from dataclasses import fields
+
+    from clipmill.qc.check import RANGES
+
+    assert set(RANGES) <= {f.name for f in fields(QCConfig)}
+    encode_h264(pan(n=24), 24, tmp_path / "a.mp4")
+    encode_h264(pan(n=24, seed=1), 24, tmp_path / "b.mp4")
+    files = [str(tmp_path / "a.mp4"), str(tmp_path / "b.mp4")]
+    seconds = "seconds (QC holds a whole clip in memory: a clip it checks is seconds long)"
+    for key, value, msg in [
+        ("boiling_area", "1.5", "boiling_area = 1.5: allowed 0 to 1, a share of the frame (0.015 = 1.5%)"),
+        ("boiling_area", "100", "boiling_area = 100.0: allowed 0 to 1, a share of the frame (0.015 = 1.5%)"),
+        ("frozen_seconds", "1e308", f"frozen_seconds = 1e+308: allowed 0 to 3600, {seconds}"),
+        ("block_seconds", "1e308", f"block_seconds = 1e+308: allowed 0 to 3600, {seconds}"),
+        ("boiling_seconds", "3601", f"boiling_seconds = 3601.0: allowed 0 to 3600, {seconds}"),
+        ("blur_ratio", "1e308", "blur_ratio = 1e+308: allowed 0 to 1, a share of the first quarter's sharpness (0.6 = 60%)"),
+        ("exposure_clip", "1.5", "exposure_clip = 1.5: allowed 0 to 1, a share of the frame's pixels (0.03 = 3%)"),
+        ("frozen_flow_ratio", "1.5",
+         "frozen_flow_ratio = 1.5: allowed 0 to 1, a share of the clip's 75th-percentile flow (0.1 = 10%)"),
+        ("boiling_hp", "2.5", "boiling_hp = 2.5: allowed 0 to 2, a ratio of texture residual to texture, which is at most 2"),
+        ("black_luma", "256", "black_luma = 256.0: allowed 0 to 255, luma levels (0 to 255)"),
+        ("min_pair_ssim", "1.5",
+         "min_pair_ssim = 1.5: allowed 1 or less, an SSIM (it runs from -1 to 1; below -1 the check never fires)"),
+        ("flicker_pairs", "1" + "0" * 400, None),  # an integer too large for a float was an OverflowError
+    ]:
+        res = CliRunner().invoke(main, ["qc", *files, "--set", f"{key}={value}"])
+        if msg is None:
+            assert res.exit_code == 0, res.output
+            continue
+        assert res.exit_code == 2, res.output
+        assert res.output.strip() == f"Error: --set: {msg}"
+    (tmp_path / "qc.toml").write_text("[qc]\nboiling_area = 1.5\n")
+    res = CliRunner().invoke(main, ["qc", *files, "--qc-config", str(tmp_path / "qc.toml")])
+    assert res.exit_code == 2
+    assert res.output.strip() == (f"Error: --qc-config '{tmp_path / 'qc.toml'}': boiling_area = 1.5: allowed 0 to 1, "
+                                  "a share of the frame (0.015 = 1.5%)")
+    # the bounds themselves run: both files get a verdict
+    res = CliRunner().invoke(main, ["qc", "--json", *files, "--set", "boiling_area=1", "--set", "frozen_seconds=3600",
+                                    "--set", "block_seconds=3600", "--set", "boiling_seconds=3600", "--set", "blur_ratio=1"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(line)["path"] for line in res.stdout.splitlines()] == files
