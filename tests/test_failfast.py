@@ -346,6 +346,55 @@ def test_qc_reports_unreadable_files_as_errors_never_verdicts(tmp_path):
     assert "reject missing" not in res.output and "Errno" not in res.output
 
 
+def _h264_ts(path) -> None:
+    """A real H.264 clip in MPEG-TS, which FFmpeg reads from a pipe (an MP4 needs to seek)."""
+    import av
+
+    from clipmill.pipeline.synthetic import camera_move, photo
+
+    frames = camera_move(photo("astronaut"), "pan", 24, (256, 144), np.random.default_rng(0))
+    with av.open(str(path), "w", format="mpegts") as c:
+        s = c.add_stream("libx264", rate=24)
+        s.width, s.height, s.pix_fmt = 256, 144, "yuv420p"
+        for f in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+def test_qc_reads_a_clip_from_a_pipe_or_a_fifo(tmp_path):
+    """check_input_file read one byte to test readability: through a pipe (`clipmill qc
+    <(cat clip.ts)`) that byte was gone and the clip read as "not a readable video"; from a FIFO
+    the writer died of SIGPIPE and QC waited for ever. Only regular files are read ahead now."""
+    import subprocess
+    import sys
+
+    _h264_ts(tmp_path / "clip.ts")
+    cmd = f"{sys.executable} -m clipmill.jobs.cli qc --json <(cat clip.ts) clip.ts"
+    proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    piped, direct = (json.loads(line) for line in proc.stdout.splitlines())
+    assert piped["path"].startswith("/dev/fd/") and direct["path"] == "clip.ts"
+    assert (piped["verdict"], piped["metrics"]["frames"]) == (direct["verdict"], direct["metrics"]["frames"]) == ("pass", 24)
+
+    fifo = tmp_path / "fifo.ts"
+    os.mkfifo(fifo)
+    data = (tmp_path / "clip.ts").read_bytes()
+
+    def writer():
+        with open(fifo, "wb") as f:  # blocks until QC opens the FIFO
+            f.write(data)
+
+    t = threading.Thread(target=writer, daemon=True)
+    t.start()
+    proc = subprocess.run([sys.executable, "-m", "clipmill.jobs.cli", "qc", str(fifo)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [f"pass {fifo}"]
+    t.join(10)
+
+
 def test_interpolate_refuses_bad_destinations_before_any_work(tmp_path):
     from clipmill.pipeline.video import encode_h264
 

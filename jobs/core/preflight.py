@@ -186,13 +186,21 @@ def check_storage(url: str, option: str = "--out") -> None:
 
 
 def check_input_file(path: str | os.PathLike, what: str = "") -> Path:
-    """A file that exists, is a file and can be read; else BadOption naming it and why."""
+    """A file that exists, is a file and can be read; else BadOption naming it and why.
+
+    A regular file is opened and one byte read. A pipe (``clipmill qc <(cat clip.y4m)``), a FIFO
+    or a device is only checked for read permission: reading from it would consume the byte its
+    reader needs (or, on a FIFO, end its writer with SIGPIPE and leave the reader waiting)."""
     p = Path(path)
     label = f"{what} {path}" if what else str(path)
     if not p.exists():
         raise BadOption(f"{label}: no such file")
     if p.is_dir():
         raise BadOption(f"{label}: is a folder; give a file")
+    if not p.is_file():
+        if not os.access(p, os.R_OK):
+            raise BadOption(f"{label}: cannot be read (Permission denied)")
+        return p
     try:
         with open(p, "rb") as f:
             f.read(1)
