@@ -16,11 +16,12 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def write_atomic(target: Path, fill: Callable[[BinaryIO], object]) -> None:
+def write_atomic(target: str | os.PathLike, fill: Callable[[BinaryIO], object]) -> None:
     """Write the file ``target`` whole or not at all: ``fill(f)`` writes a temporary file in the
     same folder, which is flushed to disk and then renamed over ``target``. A reader never sees
     half a file, and a crash or a full disk mid-write leaves ``target`` as it was (and no
     temporary file). The file gets the mode a plain ``open`` would give it."""
+    target = Path(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600

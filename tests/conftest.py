@@ -166,3 +166,19 @@ def farm(pg_url, broker, tmp_path, tiny_cache):
     for p in procs:
         stop(p)
     db.dispose()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 64 KiB tmpfs at tmp_path/small: a disk that fills after a few writes (mount needs root,
+    CAP_SYS_ADMIN; the test skips, naming why, where it is not allowed)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a 64 KiB tmpfs to fill a disk (needs root with CAP_SYS_ADMIN): "
+                    f"{(proc.stderr or proc.stdout).strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -325,3 +325,29 @@ def test_qc_settings_past_their_range_are_refused_and_their_limits_run(tmp_path)
                                     "--set", "block_seconds=3600", "--set", "boiling_seconds=3600", "--set", "blur_ratio=1"])
     assert res.exit_code == 0, res.output
     assert [json.loads(line)["path"] for line in res.stdout.splitlines()] == files
+
+
+def test_a_sheet_that_does_not_fit_leaves_the_earlier_sheet_whole(full_disk):
+    """--sheet wrote FILE.sheet.png in place: on a full disk (or a kill mid-write) a truncated
+    PNG stood where the earlier sheet was. It is written to a temporary file and renamed over
+    the old one: a failed write leaves the old sheet as it was and no temporary file; with
+    --json the file's record says the sheet failed."""
+    import shutil
+
+    clip = full_disk / "clip.mp4"
+    encode_h264(pan(n=24), 24, full_disk.parent / "clip.mp4")
+    shutil.copy(full_disk.parent / "clip.mp4", clip)
+    old = b"\x89PNG an earlier sheet" + b"x" * 100
+    (full_disk / "clip.mp4.sheet.png").write_bytes(old)
+    for args in (["qc", "--sheet", str(clip)], ["qc", "--json", "--sheet", str(clip)]):
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 2, res.output
+        why = f"cannot write {clip}.sheet.png (No space left on device)"
+        assert res.stderr.splitlines() == [f"error: --sheet: {why}", "1 contact sheet(s) could not be written"]
+        if "--json" in args:
+            rec = json.loads(res.stdout)
+            assert (rec["verdict"], rec["sheet_error"]) == ("pass", why)
+        else:
+            assert res.stdout.splitlines() == [f"pass {clip}"]
+        assert (full_disk / "clip.mp4.sheet.png").read_bytes() == old
+        assert sorted(p.name for p in full_disk.iterdir()) == ["clip.mp4", "clip.mp4.sheet.png"]

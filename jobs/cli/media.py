@@ -17,7 +17,8 @@ from clipmill.jobs.cli.common import EXIT_BAD_INPUT, BadInput, FiniteRange, doma
 @click.argument("files", nargs=-1, type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="JSON Lines: one {path, verdict, reasons, metrics} per file.")
 @click.option("--explain", is_flag=True, help="Also print the metric curves over time (with --json: a 'series' key).")
-@click.option("--sheet", is_flag=True, help="Write a contact sheet PNG (frames and metric curves) beside each file.")
+@click.option("--sheet", is_flag=True, help="Write a contact sheet PNG (frames and metric curves) beside each file, "
+              "whole or not at all (with --json a failure is the record's 'sheet_error').")
 @click.option("--bench", is_flag=True, help="Measure QC instead: confusion table on the synthetic labelled set, and 720p speed.")
 @qc_config_options
 def qc(files, as_json, explain, sheet, bench, qc_cfg):
@@ -48,6 +49,7 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
     from clipmill.qc import check_frames_with_series
     from clipmill.qc.check import FrameTooSmall
     from clipmill.qc.report import contact_sheet, explain_lines
+    from clipmill.storage.local import write_atomic
 
     unreadable = unwritten = 0
     for f in files:
@@ -63,6 +65,15 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             err.print(f"[red]error:[/] {escape(f)}: {escape(reason)}", soft_wrap=True, highlight=False)
             continue
         rec = {"path": f, "verdict": res.verdict, "reasons": res.reasons, "metrics": res.metrics}
+        sheet_error = None
+        if sheet:  # the verdict stands whether or not its sheet can be written
+            png = contact_sheet(frames, series, res)
+            try:  # whole or not at all: a full disk or a kill leaves an earlier sheet as it was
+                write_atomic(f + ".sheet.png", lambda fh: fh.write(png))
+            except OSError as e:
+                unwritten += 1
+                sheet_error = f"cannot write {f}.sheet.png ({e.strerror or e})"
+                rec["sheet_error"] = sheet_error
         if as_json:
             if explain:
                 rec["series"] = series.as_lists()
@@ -75,13 +86,8 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             if explain:
                 for line in explain_lines(series, fps):
                     out.print("    " + line, markup=False, soft_wrap=True)
-        if sheet:  # after the verdict, which stands whether or not its sheet can be written
-            try:
-                Path(f + ".sheet.png").write_bytes(contact_sheet(frames, series, res))
-            except OSError as e:
-                unwritten += 1
-                err.print(f"[red]error:[/] --sheet: cannot write {escape(f)}.sheet.png ({escape(e.strerror or str(e))})",
-                          soft_wrap=True, highlight=False)
+        if sheet_error:  # after that file's verdict
+            err.print(f"[red]error:[/] --sheet: {escape(sheet_error)}", soft_wrap=True, highlight=False)
     if unreadable or unwritten:
         err.print(", ".join(part for part in (
             f"{unreadable} of {len(files)} file(s) could not be read or checked" if unreadable else "",
