@@ -69,3 +69,15 @@ def test_interpolate_command_errors(tmp_path):
     assert res.exit_code == 2 and f"Error: SRC {tmp_path / 'missing.mp4'}: no such file" in res.output
     res = CliRunner().invoke(main, ["interpolate", "a.mp4"])
     assert res.exit_code == 2 and "give SRC DST --fps N, or --bench" in res.output
+
+
+def test_interpolate_onto_a_full_disk_is_one_line_and_exit_3(tmp_path, full_disk):
+    """Writing DST onto a full disk printed FFmpeg's traceback and exited 1. It is one line
+    naming DST and why, with exit 3 (storage that cannot be written, README "Exit codes")."""
+    encode_h264(pan120(25), 24, tmp_path / "in.mp4")
+    (full_disk / "filler").write_bytes(b"x" * 56 * 1024)  # 8 of its 64 KiB left: DST takes about 60 KiB
+    dst = full_disk / "out.mp4"
+    res = CliRunner().invoke(main, ["interpolate", str(tmp_path / "in.mp4"), str(dst), "--fps", "60"])
+    assert res.exit_code == 3, res.output
+    assert res.stderr.splitlines()[-1] == f"Error: DST {dst}: cannot be written (No space left on device)"
+    assert "Traceback" not in res.output

@@ -10,7 +10,8 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from clipmill.jobs.cli.common import EXIT_BAD_INPUT, BadInput, FiniteRange, domain_errors, err, out, qc_config_options
+from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, BadInput, FiniteRange, SetupError, domain_errors, err, out,
+                                      qc_config_options)
 
 
 @click.command()
@@ -147,6 +148,8 @@ def interpolate(src, dst, fps, bench, as_json):
         return
     if not (src and dst and fps):
         raise click.UsageError("give SRC DST --fps N, or --bench")
+    import av
+
     from clipmill.jobs.core.preflight import check_input_file
     from clipmill.pipeline.interpolate import interpolate as interp
     from clipmill.pipeline.video import VideoError, decode, encode_h264
@@ -168,7 +171,10 @@ def interpolate(src, dst, fps, bench, as_json):
     with Progress(TextColumn("interpolate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as p:
         task = p.add_task("", total=None)
         out_frames = interp(frames, fps_in, fps, progress=lambda d, t: p.update(task, completed=d, total=t))
-    encode_h264(out_frames, fps, dst)
+    try:
+        encode_h264(out_frames, fps, dst)
+    except (OSError, av.error.FFmpegError) as e:  # a full disk, a folder gone or made read-only meanwhile
+        raise SetupError(f"DST {dst}: cannot be written ({e.strerror or e})") from None
     secs = time.perf_counter() - t0
     err.print(f"{src}: {len(frames)} frames at {fps_in:g} fps -> {dst}: {len(out_frames)} frames at {fps:g} fps "
               f"({len(out_frames) / secs:.1f} frames/s)")
