@@ -351,3 +351,65 @@ def test_a_sheet_that_does_not_fit_leaves_the_earlier_sheet_whole(full_disk):
             assert res.stdout.splitlines() == [f"pass {clip}"]
         assert (full_disk / "clip.mp4.sheet.png").read_bytes() == old
         assert sorted(p.name for p in full_disk.iterdir()) == ["clip.mp4", "clip.mp4.sheet.png"]
+
+
+def _flat_h264(path, n: int, w: int, h: int) -> None:
+    """n frames of w x h: a grey field with a square moving across it (cheap to encode)."""
+    import av
+
+    with av.open(str(path), "w") as c:
+        s = c.add_stream("libx264", rate=30)
+        s.width, s.height, s.pix_fmt, s.options = w, h, "yuv420p", {"preset": "ultrafast"}
+        f = np.full((h, w, 3), 90, np.uint8)
+        for i in range(n):
+            f[:] = 90
+            f[h // 3: h // 3 + 32, 4 * i % (w - 32):][:, :32] = 200
+            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in s.encode():
+            c.mux(p)
+
+
+@pytest.mark.slow
+def test_a_clip_too_long_for_memory_is_that_files_error_and_the_others_are_checked(tmp_path):
+    """QC holds a whole clip in memory: a clip that did not fit raised a MemoryError traceback
+    (exit 1) and the files after it were never checked. Here memory is capped (RLIMIT_AS, as on
+    a smaller machine) at what QC on a short clip took plus 1 GB: a 40 s 320x180 clip runs out in
+    QC's working copy, a 10 s 1080p clip while decoding; each gets one error line naming its
+    frames, their size and what they need, and the short clip after them still gets its verdict."""
+    import os
+    import resource
+    import subprocess
+    import sys
+
+    from clipmill.qc.check import memory_needed
+
+    encode_h264(pan(n=24), 24, tmp_path / "short.mp4")
+    _flat_h264(tmp_path / "long.mp4", 1200, 320, 180)
+    _flat_h264(tmp_path / "big.mp4", 300, 1920, 1080)
+    # fewer threads: the address space a run takes depends less on the machine's core count
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MALLOC_ARENA_MAX="2",
+               OPENCV_FOR_THREADS_NUM="2")
+    code = ("import sys\nfrom clipmill.jobs.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
+            "    print(next(l for l in open('/proc/self/status') if l.startswith('VmPeak')), file=sys.stderr)")
+
+    def qc(*files, limit=None):
+        cap = None if limit is None else (lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+        return subprocess.run([sys.executable, "-c", code, "qc", *files], cwd=tmp_path, env=env, preexec_fn=cap,
+                              capture_output=True, text=True, timeout=300)
+
+    alone = qc("short.mp4")
+    assert alone.returncode == 0, alone.stderr
+    margin = 1_000_000_000
+    limit = int(alone.stderr.split()[-2]) * 1024 + margin
+    _, decoded, working = memory_needed(1200, 180, 320, 320)
+    assert 1200 * (decoded + working) > 2 * margin and 300 * 1080 * 1920 * 3 > 1.5 * margin
+    res = qc("long.mp4", "big.mp4", "short.mp4", limit=limit)
+    assert res.returncode == 2, res.stderr
+    assert res.stdout.splitlines() == ["pass short.mp4"]
+    why = "(QC holds the whole clip in memory: {} MB decoded and 1.7 MB of working copy a frame); check a shorter cut"
+    assert res.stderr.splitlines()[:3] == [
+        f"error: long.mp4: out of memory: 1200 frames of 320x180 need about 2.4 GB {why.format('0.2')}",
+        f"error: big.mp4: out of memory: 300 frames of 1920x1080 need about 2.5 GB {why.format('6.2')}",
+        "2 of 3 file(s) could not be read or checked",
+    ]

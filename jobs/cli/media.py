@@ -29,10 +29,10 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
 
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
     A file that cannot be read or checked (missing, a folder, not a video, frames too small to
-    measure) gets an error line naming it and why, never a verdict; the other files are still
-    checked, and the exit code is 2 (as it is when a --sheet cannot be written: an error line
-    after that file's verdict). Exits 0 when every file was read and checked, whatever the
-    verdicts.
+    measure, a clip too long for memory: QC holds the whole clip) gets an error line naming it
+    and why, never a verdict; the other files are still checked, and the exit code is 2 (as it
+    is when a --sheet cannot be written: an error line after that file's verdict). Exits 0 when
+    every file was read and checked, whatever the verdicts.
 
     \b
     Example:
@@ -54,13 +54,19 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
 
     unreadable = unwritten = 0
     for f in files:
+        frames = series = None  # the last file's frames are let go before this one's are decoded
         try:
             check_input_file(f)
             frames, fps = decode(f, min_frames=2)  # QC compares frames
             res, series = check_frames_with_series(frames, fps, qc_cfg)
-        except (BadOption, VideoError, FrameTooSmall) as e:
+        except (BadOption, VideoError, FrameTooSmall, MemoryError) as e:
             unreadable += 1
-            reason = str(e).removeprefix(f"{f}: ")
+            if isinstance(e, MemoryError):  # that file's error: the files after it may fit
+                shape = frames.shape[:3] if frames is not None else None
+                frames = series = e = None
+                reason = _out_of_memory(f, shape, qc_cfg.max_side)
+            else:
+                reason = str(e).removeprefix(f"{f}: ")
             if as_json:
                 click.echo(json.dumps({"path": f, "error": reason}, ensure_ascii=False))
             err.print(f"[red]error:[/] {escape(f)}: {escape(reason)}", soft_wrap=True, highlight=False)
@@ -94,6 +100,27 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             f"{unreadable} of {len(files)} file(s) could not be read or checked" if unreadable else "",
             f"{unwritten} contact sheet(s) could not be written" if unwritten else "") if part), highlight=False)
         sys.exit(EXIT_BAD_INPUT)
+
+
+def _out_of_memory(path: str, shape: tuple[int, int, int] | None, max_side: int) -> str:
+    """Why QC ran out of memory on ``path``: its frames (``shape``, or as probed when decoding
+    failed) and what they need, since QC holds the whole clip in memory."""
+    from clipmill.pipeline.video import VideoError, probe
+    from clipmill.qc.check import memory_needed
+
+    if shape is None:
+        try:
+            info = probe(path)
+            shape = (info["frames"], info["height"], info["width"])
+        except (VideoError, MemoryError):
+            pass
+    why = "QC holds the whole clip in memory"
+    if not shape or not all(shape):
+        return f"out of memory decoding it ({why}); check a shorter cut"
+    n, h, w = shape
+    need, decoded, working = memory_needed(n, h, w, max_side)
+    return (f"out of memory: {n} frames of {w}x{h} need about {need / 1e9:.1f} GB ({why}: {decoded / 1e6:.1f} MB "
+            f"decoded and {working / 1e6:.1f} MB of working copy a frame); check a shorter cut")
 
 
 def _qc_bench(cfg, as_json: bool) -> None:
