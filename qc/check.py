@@ -514,8 +514,13 @@ def check_frames_with_series(frames: np.ndarray, fps: float, cfg: QCConfig = QCC
     ws, hs, k = working_size(h, w, cfg.max_side)
     if min(ws, hs) < MIN_SIDE:
         shrunk = f", {ws}x{hs} once shrunk to at most max_side {cfg.max_side} px" if k > 1 else ""
+        fix = ""
+        if min(h, w) >= MIN_SIDE:  # a strip: shrunk less, its short side keeps 32 px
+            need = -(-max(h, w) // (min(h, w) // MIN_SIDE))  # the smallest max_side that shrinks it little enough
+            nws, nhs, _ = working_size(h, w, need)
+            fix = f"; --set max_side={need} measures it at {nws}x{nhs}"
         raise FrameTooSmall(f"frames of {w}x{h} px{shrunk}: QC needs at least {MIN_SIDE} px a side "
-                            "(its optical flow cannot follow less)")
+                            f"(its optical flow cannot follow less){fix}")
     t0 = time.perf_counter()
     try:
         series = measure(frames, cfg.max_side, fps if fps and fps > 0 else 24.0, cfg.boiling_seconds, cfg.boiling_area)

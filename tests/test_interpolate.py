@@ -81,3 +81,33 @@ def test_interpolate_onto_a_full_disk_is_one_line_and_exit_3(tmp_path, full_disk
     assert res.exit_code == 3, res.output
     assert res.stderr.splitlines()[-1] == f"Error: DST {dst}: cannot be written (No space left on device)"
     assert "Traceback" not in res.output
+
+
+def test_interpolate_says_the_audio_is_not_carried_over_and_it_is_not(tmp_path):
+    """A clip with sound comes out silent: --help says so, and DST has one stream, the video."""
+    import av
+
+    frames = pan120(24)
+    with av.open(str(tmp_path / "in.mp4"), "w") as c:
+        v = c.add_stream("libx264", rate=24)
+        v.width, v.height, v.pix_fmt = 320, 192, "yuv420p"
+        a = c.add_stream("aac", rate=44100)
+        a.layout = "stereo"
+        for f in frames:
+            for p in v.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in v.encode():
+            c.mux(p)
+        tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(44100) / 44100)).astype(np.float32)
+        af = av.AudioFrame.from_ndarray(np.stack([tone, tone]), format="fltp", layout="stereo")
+        af.sample_rate = 44100
+        for p in [*a.encode(af), *a.encode()]:
+            c.mux(p)
+    with av.open(str(tmp_path / "in.mp4")) as c:
+        assert [s.type for s in c.streams] == ["video", "audio"]
+    res = CliRunner().invoke(main, ["interpolate", "--help"])
+    assert "SRC's audio is not carried over: DST has the video only." in " ".join(res.output.split())
+    res = CliRunner().invoke(main, ["interpolate", str(tmp_path / "in.mp4"), str(tmp_path / "out.mp4"), "--fps", "30"])
+    assert res.exit_code == 0, res.output
+    with av.open(str(tmp_path / "out.mp4")) as c:
+        assert [s.type for s in c.streams] == ["video"]

@@ -413,3 +413,24 @@ def test_a_clip_too_long_for_memory_is_that_files_error_and_the_others_are_check
         f"error: big.mp4: out of memory: 300 frames of 1920x1080 need about 2.5 GB {why.format('6.2')}",
         "2 of 3 file(s) could not be read or checked",
     ]
+
+
+def test_a_strip_too_thin_once_shrunk_is_told_which_max_side_measures_it(tmp_path):
+    """A 1280x40 strip is 320x10 at the working size, under QC's 32 px: the error said so but
+    not that --set max_side=1280 measures it. It says so now, where a max_side would do (a
+    4000x16 strip has no 32 px side to keep), and that max_side gives a verdict."""
+    encode_h264(camera_move(photo("coffee"), "pan", 12, (1280, 40), np.random.default_rng(0)), 24, tmp_path / "strip.mp4")
+    encode_h264(np.random.default_rng(0).integers(0, 255, (6, 16, 4000, 3), dtype=np.uint8), 24, tmp_path / "thin.mp4")
+    files = [str(tmp_path / "strip.mp4"), str(tmp_path / "thin.mp4")]
+    res = CliRunner().invoke(main, ["qc", *files])
+    assert res.exit_code == 2
+    assert res.stderr.splitlines() == [
+        f"error: {files[0]}: frames of 1280x40 px, 320x10 once shrunk to at most max_side 320 px: QC needs at least "
+        "32 px a side (its optical flow cannot follow less); --set max_side=1280 measures it at 1280x40",
+        f"error: {files[1]}: frames of 4000x16 px, 307x1 once shrunk to at most max_side 320 px: QC needs at least "
+        "32 px a side (its optical flow cannot follow less)",
+        "2 of 2 file(s) could not be read or checked",
+    ]
+    res = CliRunner().invoke(main, ["qc", "--json", files[0], "--set", "max_side=1280"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["verdict"] == "pass"

@@ -163,7 +163,8 @@ def interpolate(src, dst, fps, bench, as_json):
     """Convert SRC to --fps N by optical-flow frame interpolation; write DST as H.264 MP4.
 
     DST has exactly round((n-1)*N/fps_in)+1 frames and starts on SRC's first frame. At a cut
-    the nearest frame is repeated instead of blending two scenes.
+    the nearest frame is repeated instead of blending two scenes. SRC's audio is not carried
+    over: DST has the video only.
 
     \b
     Example:
