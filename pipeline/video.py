@@ -13,6 +13,11 @@ import numpy as np
 
 CODEC = "libx264"
 PIX_FMT = "yuv420p"  # what browsers play
+# x264's own defaults, which every clip was encoded with: until the thirty-seventh session the
+# CRF 18 and preset veryfast this module asked for were dropped (setting the codec context's
+# options replaced the stream's), so every QC figure and test was measured on CRF 23, medium
+CRF = 23
+PRESET = "medium"
 
 
 STILL_FORMATS = ("image2", "png_pipe", "jpeg_pipe", "webp_pipe", "bmp_pipe", "tiff_pipe")  # pictures, not clips
@@ -46,7 +51,7 @@ def local(path: str | Path) -> str:
     return "file:" + os.path.abspath(path)
 
 
-def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18) -> None:
+def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF, preset: str = PRESET) -> None:
     """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
 
     Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped. Written
@@ -69,7 +74,7 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = 18)
         with av.open(local(tmp), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
             stream = out.add_stream(CODEC, rate=rate)
             stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
-            stream.options = {"crf": str(crf), "preset": "veryfast"}
+            stream.options = {"crf": str(crf), "preset": preset}
             for frame in frames:
                 for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                     out.mux(packet)

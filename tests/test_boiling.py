@@ -96,7 +96,7 @@ def test_a_small_shape_boiling_inside_is_caught_though_its_outline_is_near(monke
     def h264(frames: np.ndarray) -> np.ndarray:
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "clip.mp4")
-            encode_h264(np.clip(frames, 0, 255).astype(np.uint8), 8.0, path, crf=18)
+            encode_h264(np.clip(frames, 0, 255).astype(np.uint8), 8.0, path)
             return decode(path)[0]
 
     clip = shapes.render(shapes.Spec("yellow", "square", "stays still", "black", "static shot"), 31, frames=8, size=64)
