@@ -36,6 +36,13 @@ def _poll(what, check, timeout, every=0.05):
     pytest.fail(f"{what}: not within {timeout} s")
 
 
+def _preview_server(env: dict, tmp_path, port: int) -> subprocess.Popen:
+    """A real `clipmill preview` in farm mode (``env`` names the broker) on ``port``."""
+    return subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes",
+                             "--port", str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
 def test_a_farm_render_worker_serves_the_preview_between_groups_through_redis(farm, broker, tmp_path):
     from playwright.sync_api import sync_playwright
 
@@ -49,9 +56,7 @@ def test_a_farm_render_worker_serves_the_preview_between_groups_through_redis(fa
     cli("submit", "night.csv", "--batch", "night", "--model", "shapes", "--out", str(tmp_path / "out"))
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes",
-                               "--port", str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = _preview_server(env, tmp_path, port)
     try:
         wait_port(port, server, timeout=60)
         url = f"http://127.0.0.1:{port}"
@@ -258,9 +263,7 @@ def test_a_farm_preview_whose_review_server_was_killed_while_it_waited_is_ended_
     env, start, cli, db = farm
     r = redis.Redis.from_url(broker)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes",
-                               "--port", str(port)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+    server = _preview_server(env, tmp_path, port)
     try:
         wait_port(port, server, timeout=60)
         stream = urllib.request.urlopen(f"http://127.0.0.1:{port}/preview/stream?prompt=" + urllib.request.quote(RED),

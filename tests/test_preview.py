@@ -47,11 +47,8 @@ def test_preview_streams_follows_a_new_prompt_queues_it_and_frees_the_model(tmp_
     from playwright.sync_api import sync_playwright
 
     chromium = need_program("chromium", "Debian's Chromium")
-    db_url = f"sqlite:///{tmp_path / 'c.db'}"
     port = free_port()
-    env = dict(os.environ, CLIPMILL_DATABASE_URL=db_url, OMP_NUM_THREADS="1", CLIPMILL_OUT=str(tmp_path / "out"))
-    server = subprocess.Popen([sys.executable, "-m", "clipmill.jobs.cli", "preview", RED, "--model", "shapes", "--port", str(port)], env=env,
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, db_url = _server(tmp_path, port)
     try:
         wait_port(port, server, timeout=60)
         url = f"http://127.0.0.1:{port}"

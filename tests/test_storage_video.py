@@ -103,12 +103,14 @@ def test_a_stream_whose_frame_size_changes_is_refused_by_name(tmp_path):
     assert msg.startswith(f"{joined}: frame ") and "is 128x80 but frame 0 is 96x64; a clip must keep one frame size" in msg
 
 
-def _mp4(path, frames: np.ndarray, pts_ms: list[int] | None = None, rate: int = 30) -> None:
-    """H.264 in MP4, written by PyAV directly (not by encode_h264), with the given timestamps."""
+def _mp4(path, frames: np.ndarray, pts_ms: list[int] | None = None, rate: int = 30, container: str = "mp4",
+         codec: str = "libx264") -> None:
+    """H.264 in MP4 (or ``codec`` in ``container``), written by PyAV directly (not by
+    encode_h264), with the given timestamps in milliseconds (by default one frame a tick)."""
     import av
 
-    with av.open(str(path), "w", format="mp4") as c:
-        s = c.add_stream("libx264", rate=rate)
+    with av.open(str(path), "w", format=container) as c:
+        s = c.add_stream(codec, rate=rate)
         s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         s.codec_context.time_base = Fraction(1, 1000)
         for i, f in enumerate(frames):
@@ -263,26 +265,12 @@ def test_a_failed_encode_leaves_the_old_file_whole_and_no_temporary(tmp_path):
     assert len(decode(long)[0]) == 4
 
 
-def _mkv(path, frames: np.ndarray, rate: int) -> None:
-    """Matroska stores whole milliseconds: at 120 fps the gaps are 8 and 9 ms."""
-    import av
-
-    with av.open(str(path), "w", format="matroska") as c:
-        s = c.add_stream("ffv1", rate=rate)
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-
-
 @pytest.mark.parametrize("rate", [60, 75, 120, 240])
 def test_constant_rate_files_with_millisecond_timestamps_read_as_stored(tmp_path, rate):
     """Rounded timestamps are one frame a tick of the stated rate: nothing repeated or dropped
     (the first check repeated frames of 120 fps Matroska and dropped one of 60 fps)."""
     frames = _numbered(23)
-    _mkv(tmp_path / "c.mkv", frames, rate)
+    _mp4(tmp_path / "c.mkv", frames, rate=rate, container="matroska", codec="ffv1")  # whole milliseconds: 8 and 9 ms at 120 fps
     got, fps = decode(tmp_path / "c.mkv")
     assert len(got) == 23 and round(fps) == rate, (len(got), fps)
     assert [round(float(f.mean()) / 10) * 10 - 20 for f in got] == list(range(0, 230, 10))
