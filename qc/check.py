@@ -25,7 +25,7 @@ MIN_SIDE = 32  # px: the smallest side of QC's working copy (DIS optical flow cr
 MAX_SECONDS = 3600.0  # the longest span a *_seconds setting takes: an hour, far longer than any clip QC can hold
 # Settings with a true range (a share, a ratio, a luma level) or a sane cap (a span of time):
 # (lowest, highest, what the value is). The others take any finite number of 0 or more (an SSIM
-# limit: up to 1, and below 0 too).
+# limit: any finite number).
 _LUMA = "luma levels (0 to 255)"
 RANGES: dict[str, tuple[float, float, str]] = {
     "black_luma": (0, 255, _LUMA),
@@ -116,10 +116,8 @@ class QCConfig:
                 lo, hi, what = RANGES[f.name]
                 if not lo <= v <= hi:
                     raise ValueError(f"{f.name} = {v!r}: allowed {lo:g} to {hi:g}, {what}")
-            elif "ssim" in f.name:  # an SSIM runs from -1 to 1: below -1 turns its check off
-                if v > 1:
-                    raise ValueError(f"{f.name} = {v!r}: allowed 1 or less, an SSIM (it runs from -1 to 1; "
-                                     "below -1 the check never fires)")
+            elif "ssim" in f.name:  # an SSIM runs from -1 to 1: any limit (below -1 its check never
+                pass  # fires, above 1 it always does: how tests reject every clip)
             elif v < 0:
                 raise ValueError(f"{f.name} = {v!r}: allowed a finite number of 0 or more")
         if not 1 <= self.border_sides <= 4:
