@@ -18,7 +18,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from . import i420
-from .video import local, replacing
+from ..storage.local import replacing
+from .video import local
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import secrets
-from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
+
+from ..storage.local import replacing
 
 CODEC = "libx264"
 PIX_FMT = "yuv420p"  # what browsers play
@@ -27,21 +26,6 @@ HOLD_BYTES = 2 << 30  # a variable-rate file may grow past 4x its stored frames,
 
 class VideoError(ValueError):
     """A file that cannot be read as video."""
-
-
-@contextmanager
-def replacing(path: str | Path) -> Iterator[Path]:
-    """A temporary file's path beside ``path`` (beside its target, when it is a link) to write
-    into: renamed over it when the block ends, removed when the block raises, so ``path`` is
-    whole or as it was (a full disk, a crash mid-write). The temporary name is short whatever
-    the target's (a name near the file system's 255-byte limit)."""
-    real = Path(os.path.realpath(path))
-    tmp = real.with_name(f".clipmill-{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, real)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def local(path: str | Path) -> str:

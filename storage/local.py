@@ -1,38 +1,59 @@
 """A local folder as storage. Every write goes to a temporary file in the same folder, is
 flushed to disk, then renamed over the target, so readers never see half a file
-(:func:`write_atomic`, which the training's checkpoint markers use too)."""
+(:func:`replacing` and :func:`write_atomic`, which the encoders and the training's checkpoints
+use too)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 from clipmill.storage.base import StorageUnavailable, check_key, sha256_file
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # some file systems cannot sync a folder (EINVAL); the file itself is on disk by then
+        if not (directory and e.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def replacing(target: str | os.PathLike) -> Iterator[Path]:
+    """A temporary file's path beside ``target`` (beside the file it links to, when it is a
+    link) for the block to write: when the block ends the file is flushed to disk and renamed
+    over the target, and the rename itself flushed; when it raises, the file is removed. So
+    ``target`` is whole or as it was after a full disk, a crash of the process or of the
+    machine, and a reader never sees half a file. The temporary name is short whatever the
+    target's (a name near the file system's 255-byte limit) and unique to the writer; the file
+    gets the mode the writer's ``open`` gives it."""
+    real = Path(os.path.realpath(target))
+    tmp = real.with_name(f".clipmill-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, real)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync(real.parent, directory=True)
 
 
 def write_atomic(target: str | os.PathLike, fill: Callable[[BinaryIO], object]) -> None:
-    """Write the file ``target`` whole or not at all: ``fill(f)`` writes a temporary file in the
-    same folder, which is flushed to disk and then renamed over ``target``. A reader never sees
-    half a file, and a crash or a full disk mid-write leaves ``target`` as it was (and no
-    temporary file). The file gets the mode a plain ``open`` would give it."""
-    target = Path(target)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600
-        with os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write the file ``target`` whole or not at all: ``fill(f)`` writes the temporary file of
+    :func:`replacing`."""
+    with replacing(target) as tmp, open(tmp, "xb") as f:
+        fill(f)
 
 
 class LocalStorage:

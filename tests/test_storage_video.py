@@ -41,6 +41,37 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path):
     assert os.listdir(tmp_path / "k") == ["x.bin"]
 
 
+def test_atomic_writes_keep_links_modes_and_long_names(tmp_path):
+    """One mechanism (``replacing``) writes clips, sidecars, sheets and checkpoints: a name near
+    the 255-byte limit writes (``write_atomic``'s temporary name was the target's plus 13
+    characters: ENAMETOOLONG), a link keeps linking to the file it names, which is replaced,
+    and the file gets the mode a plain ``open`` gives it (the umask's), not ``mkstemp``'s 0600."""
+    from clipmill.storage.local import replacing, write_atomic
+
+    long = tmp_path / ("n" * 250 + ".json")
+    write_atomic(long, lambda f: f.write(b"{}"))
+    assert long.read_bytes() == b"{}" and os.listdir(tmp_path) == [long.name]
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "x.mp4").write_bytes(b"old")
+    link = tmp_path / "x.mp4"
+    link.symlink_to(tmp_path / "real" / "x.mp4")
+    old = os.umask(0o027)
+    try:
+        with replacing(link) as tmp:
+            assert tmp.parent == tmp_path / "real" and len(tmp.name) < 40
+            tmp.write_bytes(b"new")
+    finally:
+        os.umask(old)
+    assert link.is_symlink() and link.read_bytes() == b"new"
+    assert (tmp_path / "real" / "x.mp4").stat().st_mode & 0o777 == 0o640
+    assert sorted(os.listdir(tmp_path / "real")) == ["x.mp4"]
+    with pytest.raises(FileNotFoundError):  # a block that wrote nothing replaces nothing
+        with replacing(link):
+            pass
+    assert link.read_bytes() == b"new"
+
+
 @pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "a//b", "a/./b", "", "a\\b"])
 def test_bad_keys_are_refused(tmp_path, key):
     with pytest.raises(StorageError):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .. import shapes
+from ...storage.local import replacing
 
 Clean = Callable[[str], str]
 
@@ -195,9 +196,8 @@ def pool_specs(split: shapes.Split, tilt: float) -> list[shapes.Spec]:
 
 
 def _atomic_save(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)  # a kill mid-save leaves no half chunk
+    with replacing(path) as tmp:  # a kill mid-save leaves no half chunk
+        torch.save(obj, tmp)
 
 
 class PoolData(ShapesData):

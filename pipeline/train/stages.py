@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ...qc import adherence
-from ...storage.local import write_atomic
+from ...storage.local import replacing, write_atomic
 from .. import noise as video_noise
 from .. import frame_markers, shapes
 from . import nets
@@ -104,9 +104,8 @@ def _load_state(path: Path) -> dict | None:
 
 def _save_state(path: Path, state: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic: a kill mid-save keeps the previous checkpoint
+    with replacing(path) as tmp:  # a kill mid-save keeps the previous checkpoint
+        torch.save(state, tmp)
 
 
 def save_checkpoint(path: Path, parts: dict, data, step: int, **extra) -> None:
