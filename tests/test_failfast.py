@@ -20,6 +20,7 @@ from sqlalchemy import select, text
 
 from clipmill.jobs.cli import main
 from clipmill.jobs.core.models import Attempt, Job
+from media import write_video
 
 GOOD = 'id,prompt\nr1,"a bowl of ramen, dolly in"\nr2,"sushi on a plate, pan left"\n'
 SMALL = ("--size", "64", "--frames", "8")
@@ -348,19 +349,9 @@ def test_qc_reports_unreadable_files_as_errors_never_verdicts(tmp_path):
 
 def _h264_ts(path) -> None:
     """A real H.264 clip in MPEG-TS, which FFmpeg reads from a pipe (an MP4 needs to seek)."""
-    import av
-
     from clipmill.pipeline.synthetic import camera_move, photo
 
-    frames = camera_move(photo("astronaut"), "pan", 24, (256, 144), np.random.default_rng(0))
-    with av.open(str(path), "w", format="mpegts") as c:
-        s = c.add_stream("libx264", rate=24)
-        s.width, s.height, s.pix_fmt = 256, 144, "yuv420p"
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
+    write_video(path, camera_move(photo("astronaut"), "pan", 24, (256, 144), np.random.default_rng(0)), container="mpegts")
 
 
 def test_qc_reads_a_clip_from_a_pipe_or_a_fifo(tmp_path):

@@ -15,6 +15,7 @@ from clipmill.qc import QCConfig, check_frames
 from clipmill.qc.bench import confusion
 from clipmill.pipeline.synthetic import camera_move, photo
 from clipmill.qc.synth import DEFECTS, apply_defect
+from media import write_video
 
 
 def pan(n=48, size=(256, 144), seed=0):
@@ -178,19 +179,6 @@ def test_qc_cli_json_lines_on_real_h264_files(tmp_path):
     assert f"error: {args[2]}: not a readable video (Invalid data found when processing input)" in res.stderr
 
 
-def _encode(frames: np.ndarray, path, codec: str, pix_fmt: str, options: dict) -> None:
-    import av
-
-    with av.open(str(path), "w") as c:
-        s = c.add_stream(codec, rate=24)
-        s.width, s.height, s.pix_fmt, s.options = frames.shape[2], frames.shape[1], pix_fmt, options
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(f), format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-
-
 @pytest.mark.parametrize("name,codec,pix_fmt,options", [
     ("hevc.mp4", "libx265", "yuv420p", {"crf": "22", "x265-params": "log-level=error"}),
     ("vp9.webm", "libvpx-vp9", "yuv420p", {"crf": "32", "b": "0"}),
@@ -205,8 +193,8 @@ def test_qc_reads_other_codecs_and_pixel_formats_alike(tmp_path, name, codec, pi
     good = pan(n=24)
     bad = good.copy()
     bad[10:14] = 0
-    _encode(good, tmp_path / f"good.{name}", codec, pix_fmt, options)
-    _encode(bad, tmp_path / f"bad.{name}", codec, pix_fmt, options)
+    write_video(tmp_path / f"good.{name}", good, codec=codec, pix_fmt=pix_fmt, options=options)
+    write_video(tmp_path / f"bad.{name}", bad, codec=codec, pix_fmt=pix_fmt, options=options)
     res = CliRunner().invoke(main, ["qc", "--json", str(tmp_path / f"good.{name}"), str(tmp_path / f"bad.{name}")])
     assert res.exit_code == 0, res.output
     good_rec, bad_rec = (json.loads(line) for line in res.stdout.splitlines())
@@ -349,20 +337,16 @@ def test_a_sheet_that_does_not_fit_leaves_the_earlier_sheet_whole(full_disk):
 
 
 def _flat_h264(path, n: int, w: int, h: int) -> None:
-    """n frames of w x h: a grey field with a square moving across it (cheap to encode)."""
-    import av
-
-    with av.open(str(path), "w") as c:
-        s = c.add_stream("libx264", rate=30)
-        s.width, s.height, s.pix_fmt, s.options = w, h, "yuv420p", {"preset": "ultrafast"}
+    """n frames of w x h: a grey field with a square moving across it (cheap to encode; made
+    one at a time, so a long clip is never held whole)."""
+    def frames():
         f = np.full((h, w, 3), 90, np.uint8)
         for i in range(n):
             f[:] = 90
             f[h // 3: h // 3 + 32, 4 * i % (w - 32):][:, :32] = 200
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
+            yield f
+
+    write_video(path, frames(), rate=30, options={"preset": "ultrafast"})
 
 
 @pytest.mark.slow

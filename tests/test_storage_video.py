@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import struct
-from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from clipmill.pipeline.retime import output_count, retime_linear
 from clipmill.pipeline.video import VideoError, constant_rate, decode, encode_h264, probe
 from clipmill.storage import LocalStorage, StorageError, open_storage
+from media import write_video
 
 
 def test_put_get_delete_and_no_temp_files_left(tmp_path):
@@ -105,25 +105,11 @@ def test_h264_round_trip(tmp_path):
         encode_h264(frames[:, :63], 30, tmp_path / "odd.mp4")
 
 
-def _mpeg_ts(frames: np.ndarray, path) -> None:
-    """An MPEG-2 transport stream: a format whose files can be joined byte for byte."""
-    import av
-
-    with av.open(str(path), "w") as c:
-        s = c.add_stream("mpeg2video", rate=24)
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        for f in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
-
-
 def test_a_stream_whose_frame_size_changes_is_refused_by_name(tmp_path):
     """Two clips of different sizes joined into one stream: a clear error, not a numpy crash."""
     rng = np.random.default_rng(0)
-    _mpeg_ts(rng.integers(0, 255, (10, 64, 96, 3), dtype=np.uint8), tmp_path / "a.ts")
-    _mpeg_ts(rng.integers(0, 255, (10, 80, 128, 3), dtype=np.uint8), tmp_path / "b.ts")
+    write_video(tmp_path / "a.ts", rng.integers(0, 255, (10, 64, 96, 3), dtype=np.uint8), codec="mpeg2video")
+    write_video(tmp_path / "b.ts", rng.integers(0, 255, (10, 80, 128, 3), dtype=np.uint8), codec="mpeg2video")
     joined = tmp_path / "ab.ts"
     joined.write_bytes((tmp_path / "a.ts").read_bytes() + (tmp_path / "b.ts").read_bytes())
     first, _ = decode(tmp_path / "a.ts")
@@ -136,21 +122,9 @@ def test_a_stream_whose_frame_size_changes_is_refused_by_name(tmp_path):
 
 def _mp4(path, frames: np.ndarray, pts_ms: list[int] | None = None, rate: int = 30, container: str = "mp4",
          codec: str = "libx264") -> None:
-    """H.264 in MP4 (or ``codec`` in ``container``), written by PyAV directly (not by
-    encode_h264), with the given timestamps in milliseconds (by default one frame a tick)."""
-    import av
-
-    with av.open(str(path), "w", format=container) as c:
-        s = c.add_stream(codec, rate=rate)
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        s.codec_context.time_base = Fraction(1, 1000)
-        for i, f in enumerate(frames):
-            vf = av.VideoFrame.from_ndarray(f, format="rgb24")
-            vf.pts, vf.time_base = (pts_ms[i] if pts_ms else round(i * 1000 / rate)), Fraction(1, 1000)
-            for p in s.encode(vf):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
+    """H.264 in MP4 (or ``codec`` in ``container``) with the given timestamps in milliseconds
+    (by default one frame a tick)."""
+    write_video(path, frames, rate, codec, container, pts_ms=pts_ms or [round(i * 1000 / rate) for i in range(len(frames))])
 
 
 def _numbered(n: int, h: int = 64, w: int = 96) -> np.ndarray:
@@ -312,10 +286,8 @@ def test_times_that_go_back_and_a_long_hold_and_an_animated_gif(tmp_path):
     half way: read as stored, every frame (the first check dropped half). A hold that would grow
     a file past 4x its frames and 2 GiB is refused by name, not a MemoryError. An animated GIF
     is a clip (a still picture is not)."""
-    import av
-
     rng = np.random.default_rng(0)
-    _mpeg_ts(rng.integers(0, 255, (10, 64, 96, 3), dtype=np.uint8), tmp_path / "a.ts")
+    write_video(tmp_path / "a.ts", rng.integers(0, 255, (10, 64, 96, 3), dtype=np.uint8), codec="mpeg2video")
     joined = tmp_path / "ab.ts"
     joined.write_bytes((tmp_path / "a.ts").read_bytes() * 2)
     assert len(decode(joined)[0]) == 20
@@ -327,14 +299,7 @@ def test_times_that_go_back_and_a_long_hold_and_an_animated_gif(tmp_path):
                                          r"fps \(2\d\d\.\d GiB of 1280x720 frames; a long held picture"):
         decode(hold)
     gif = tmp_path / "anim.gif"
-    with av.open(str(gif), "w", format="gif") as c:
-        s = c.add_stream("gif", rate=10)
-        s.width, s.height, s.pix_fmt = 96, 64, "rgb8"
-        for f in _numbered(6):
-            for p in s.encode(av.VideoFrame.from_ndarray(f, format="rgb24").reformat(format="rgb8")):
-                c.mux(p)
-        for p in s.encode():
-            c.mux(p)
+    write_video(gif, _numbered(6), rate=10, codec="gif", container="gif", pix_fmt="rgb8")
     assert len(decode(gif, min_frames=2)[0]) == 6
 
 
