@@ -12,6 +12,19 @@ from clipmill.qc.bench import boiling_confusion
 from clipmill.qc.boil_set import TEST_SEEDS, TUNE_SEEDS, bandpass_noise, make_boil_set
 
 
+def _h264(frames: np.ndarray, fps: float) -> np.ndarray:
+    """Float frames through H.264 and back, as viewers get them."""
+    import os
+    import tempfile
+
+    from clipmill.pipeline.video import decode, encode_h264
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "clip.mp4")
+        encode_h264(np.clip(frames, 0, 255).astype(np.uint8), fps, path)
+        return decode(path)[0]
+
+
 @pytest.mark.slow
 def test_boiling_set_on_unseen_seeds():
     """On TEST_SEEDS (20 scenes, a good and a boiling clip each): at most 5% of grainy good clips
@@ -86,18 +99,8 @@ def test_a_small_shape_boiling_inside_is_caught_though_its_outline_is_near(monke
     outline, whose edge allowance excused the whole inside: the measure read -0.06. The same
     measure over the pixels away from strong edges (metrics.BOIL_STRONG_EDGE) finds it; the clip
     without the boiling passes."""
-    import os
-    import tempfile
-
     from clipmill.pipeline import shapes
-    from clipmill.pipeline.video import decode, encode_h264
     from clipmill.qc import metrics
-
-    def h264(frames: np.ndarray) -> np.ndarray:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "clip.mp4")
-            encode_h264(np.clip(frames, 0, 255).astype(np.uint8), 8.0, path)
-            return decode(path)[0]
 
     clip = shapes.render(shapes.Spec("yellow", "square", "stays still", "black", "static shot"), 31, frames=8, size=64)
     rng = np.random.default_rng(5)
@@ -105,7 +108,7 @@ def test_a_small_shape_boiling_inside_is_caught_though_its_outline_is_near(monke
     boiling = base.copy()
     for i in range(len(boiling)):
         boiling[i] += (10.0 * clip.alpha[i] * bandpass_noise((64, 64), 2.0, rng))[..., None]
-    good, bad = h264(base), h264(boiling)
+    good, bad = _h264(base, 8.0), _h264(boiling, 8.0)
     assert check_frames(good, 8).verdict == "pass"
     res = check_frames(bad, 8)
     assert res.verdict == "reject" and res.reasons[0].startswith("boiling: frames 0-7 (fine texture"), res.reasons
@@ -120,18 +123,8 @@ def test_a_small_coloured_shape_boiling_is_not_excused_by_its_colour_edges(monke
     a strong colour edge, a weak luma one), counted whole and averaged over the window, excused
     nearly the whole shape: it read 0.2-1.7 (by x264's run) against the limit 1.5. Counted at
     BOIL_COLOUR_EDGE (half) it reads about 7; the clip without the boiling still passes."""
-    import os
-    import tempfile
-
     from clipmill.pipeline import shapes
-    from clipmill.pipeline.video import decode, encode_h264
     from clipmill.qc import metrics
-
-    def h264(frames: np.ndarray) -> np.ndarray:
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "clip.mp4")
-            encode_h264(np.clip(frames, 0, 255).astype(np.uint8), 8.0, path)
-            return decode(path)[0]
 
     clip = shapes.render(shapes.Spec("blue", "triangle", "moves left", "black", "zoom in"), 7, frames=8, size=64)
     rng = np.random.default_rng(5)
@@ -139,7 +132,7 @@ def test_a_small_coloured_shape_boiling_is_not_excused_by_its_colour_edges(monke
     boiling = base.copy()
     for i in range(len(boiling)):
         boiling[i] += (9.0 * clip.alpha[i] * bandpass_noise((64, 64), 1.7, rng))[..., None]
-    good, bad = h264(base), h264(boiling)
+    good, bad = _h264(base, 8.0), _h264(boiling, 8.0)
     assert check_frames(good, 8).verdict == "pass"
     res = check_frames(bad, 8)
     assert res.verdict == "reject" and res.reasons[0].startswith("boiling: frames 0-7 (fine texture"), res.reasons
