@@ -29,6 +29,9 @@ def _fsync(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+TEMP_GLOB = ".clipmill-*.tmp"  # the temporary files of replacing: a killed writer leaves its own behind
+
+
 @contextmanager
 def replacing(target: str | os.PathLike) -> Iterator[Path]:
     """A temporary file's path beside ``target`` (beside the file it links to, when it is a

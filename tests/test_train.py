@@ -702,6 +702,27 @@ def test_train_model_refuses_an_export_or_a_teacher_that_would_lose_data(tmp_pat
     assert r.exit_code == 2 and f"{ck / 'recipe.json'}: not valid JSON" in r.output, r.output
 
 
+def test_a_killed_runs_temporary_files_are_swept_once_the_folder_is_held(tmp_path):
+    """Checkpoints and latent chunks are written through temporary files with the writer's pid in
+    their names (``storage.local.replacing``), so a run killed mid-save left one behind for
+    good, tens of MB each. The next run on the folder removes them once it holds its lock; the
+    checkpoints themselves are left as they are."""
+    from click.testing import CliRunner
+
+    from clipmill.jobs.cli import main
+
+    ck = tmp_path / "ck"
+    (ck / "vae").mkdir(parents=True)
+    stale = [ck / ".clipmill-4242-0badf00d.tmp", ck / "vae" / ".clipmill-4242-cafe0001.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a checkpoint")
+    (ck / "vae" / "state.pt").write_bytes(b"kept")
+    r = CliRunner().invoke(main, ["train-model", "--recipe", "smoke", "--ckpt", str(ck), "--stages", "teacher",
+                                  "--no-export"])
+    assert r.exit_code == 2 and "the teacher stage needs the vae, text stage(s)" in r.output, r.output
+    assert not any(p.exists() for p in stale) and (ck / "vae" / "state.pt").read_bytes() == b"kept"
+
+
 def test_train_model_says_in_one_line_what_a_stage_lacks_or_where_it_cannot_write_and_stops_on_sigterm(tmp_path):
     """Each was a traceback (a stage without the stages it reads: exit 1, about huggingface.co;
     a checkpoint folder that cannot be made), or "Aborted!" with exit 1 on Ctrl-C."""

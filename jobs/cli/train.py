@@ -12,6 +12,7 @@ import click
 from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, BadInput, SetupError, default_device, domain_errors,
                                       interruptible)
 from clipmill.jobs.core.locks import exclusive_lock
+from clipmill.storage.local import TEMP_GLOB
 
 STAGES = ("vae", "text", "teacher", "student", "decoder")
 LOCK = "train.lock"  # in the checkpoint folder: one train-model run at a time works it
@@ -28,7 +29,9 @@ def hold_checkpoints(root: Path):
     """Hold the checkpoint folder ``root`` for this run: an exclusive lock on ``root/train.lock``
     (``jobs.core.locks``), so that a second run on it stops at once (SetupError, exit 3, as a
     second nightly run does) instead of writing the same checkpoints. A folder this run made and
-    leaves holding nothing but the lock (a run refused before it wrote anything) is removed again."""
+    leaves holding nothing but the lock (a run refused before it wrote anything) is removed again.
+    The temporary files a killed run left (a checkpoint half written) are removed once the lock
+    is held."""
     made = [p for p in (root, *root.parents) if not p.exists()]  # the folders the lock creates, deepest first
     lock = root / LOCK
 
@@ -37,6 +40,8 @@ def hold_checkpoints(root: Path):
                           f"{lock}); wait for it to end, or give another --ckpt")
 
     with exclusive_lock(lock, busy):
+        for stale in root.rglob(TEMP_GLOB):  # what a killed run was writing: no other run writes here now
+            stale.unlink(missing_ok=True)
         try:
             yield
         finally:
