@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from fractions import Fraction
 from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -35,12 +37,15 @@ def local(path: str | Path) -> str:
     return "file:" + os.path.abspath(path)
 
 
-def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF, preset: str = PRESET) -> None:
+def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF, preset: str = PRESET,
+                audio_from: str | Path | None = None) -> None:
     """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
 
     Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped. Written
     to a temporary file beside ``path`` and renamed over it (``replacing``); a write that fails
-    (a full disk: ``OSError``) leaves no partial file.
+    (a full disk: ``OSError``) leaves no partial file. ``audio_from``: a video file whose first
+    audio stream, if it has one, goes along as AAC (:func:`_audio_track`), timed from the file's
+    first video frame, as the frames are.
     """
     import av
 
@@ -59,11 +64,68 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF
             stream = out.add_stream(CODEC, rate=rate)
             stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
             stream.options = {"crf": str(crf), "preset": preset}
-            for frame in frames:
-                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+            with _audio_track(audio_from, out) as audio:  # every stream is added before the first packet
+                for frame in frames:
+                    for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                        out.mux(packet)
+                for packet in stream.encode():
                     out.mux(packet)
-            for packet in stream.encode():
+                if audio is not None:
+                    audio(f / float(rate))
+
+
+AUDIO_CODEC, AUDIO_BITRATE = "aac", 192_000
+AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}  # more channels are mixed down to stereo
+
+
+@contextmanager
+def _audio_track(src: str | Path | None, out) -> Iterator[Callable[[float], None] | None]:
+    """Open ``src`` and add its first audio stream to the output ``out`` as AAC, before
+    anything is muxed; yields a function that writes it for ``seconds`` from the time of
+    ``src``'s first video frame (where the frames written start): a retimed clip keeps its
+    duration, so the sound stays in step with the picture. Any codec FFmpeg decodes is
+    re-encoded, since MP4 does not hold every one (PCM, Vorbis). Yields None when ``src`` is
+    None or has no audio."""
+    import av
+
+    if src is None:
+        yield None
+        return
+    with av.open(local(src)) as inp:
+        if not inp.streams.audio:
+            yield None
+            return
+        ain = inp.streams.audio[0]
+        video = _video_stream(inp, src)
+        start = float(video.start_time * video.time_base) if video.start_time is not None else 0.0
+        rate = ain.codec_context.sample_rate or 48000
+        layout = AUDIO_LAYOUTS.get(ain.codec_context.channels, "stereo")
+        aout = out.add_stream(AUDIO_CODEC, rate=rate, layout=layout)
+        aout.bit_rate = AUDIO_BITRATE
+
+        def write(seconds: float) -> None:
+            resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
+            end = None  # the next output sample: the first one follows the first frame's time
+
+            def put(frames) -> None:
+                nonlocal end
+                for rf in frames:
+                    rf.pts, rf.time_base, end = end, Fraction(1, rate), end + rf.samples
+                    for packet in aout.encode(rf):
+                        out.mux(packet)
+
+            for frame in inp.decode(ain):
+                t = None if frame.pts is None else float(frame.pts * frame.time_base) - start
+                if t is None or t + frame.samples / frame.sample_rate <= 0 or t >= seconds:
+                    continue  # untimed, before the first video frame, or after the last
+                end = max(0, round(t * rate)) if end is None else end
+                put(resampler.resample(frame))
+            if end is not None:
+                put(resampler.resample(None))  # what the resampler holds back
+            for packet in aout.encode():
                 out.mux(packet)
+
+        yield write
 
 
 def _why(e: Exception) -> str:

@@ -83,11 +83,14 @@ def test_interpolate_onto_a_full_disk_is_one_line_and_exit_3(tmp_path, full_disk
     assert "Traceback" not in res.output
 
 
-def test_interpolate_says_the_audio_is_not_carried_over_and_it_is_not(tmp_path):
-    """A clip with sound comes out silent: --help says so, and DST has one stream, the video."""
+def test_interpolate_carries_the_audio_in_step_with_the_picture(tmp_path):
+    """A clip with sound came out silent. Now DST has the video and SRC's audio (AAC), as long as
+    the picture, and a tone that starts half way through SRC starts at the same time in DST."""
     import av
 
     frames = pan120(24)
+    n = np.arange(44100)
+    tone = np.where((n >= 22050) & (n < 33075), 0.3 * np.sin(2 * np.pi * 440 * n / 44100), 0).astype(np.float32)
     with av.open(str(tmp_path / "in.mp4"), "w") as c:
         v = c.add_stream("libx264", rate=24)
         v.width, v.height, v.pix_fmt = 320, 192, "yuv420p"
@@ -98,16 +101,23 @@ def test_interpolate_says_the_audio_is_not_carried_over_and_it_is_not(tmp_path):
                 c.mux(p)
         for p in v.encode():
             c.mux(p)
-        tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(44100) / 44100)).astype(np.float32)
         af = av.AudioFrame.from_ndarray(np.stack([tone, tone]), format="fltp", layout="stereo")
         af.sample_rate = 44100
         for p in [*a.encode(af), *a.encode()]:
             c.mux(p)
-    with av.open(str(tmp_path / "in.mp4")) as c:
-        assert [s.type for s in c.streams] == ["video", "audio"]
+
+    def sound(path):
+        with av.open(str(path)) as c:
+            pcm = np.concatenate([f.to_ndarray()[0] for f in c.decode(audio=0)])
+            rate = c.streams.audio[0].codec_context.sample_rate
+            return [s.type for s in c.streams], len(pcm) / rate, np.argmax(np.abs(pcm) > 0.1) / rate
+
     res = CliRunner().invoke(main, ["interpolate", "--help"])
-    assert "SRC's audio is not carried over: DST has the video only." in " ".join(res.output.split())
-    res = CliRunner().invoke(main, ["interpolate", str(tmp_path / "in.mp4"), str(tmp_path / "out.mp4"), "--fps", "30"])
+    assert "SRC's first audio track goes along" in " ".join(res.output.split())
+    res = CliRunner().invoke(main, ["interpolate", str(tmp_path / "in.mp4"), str(tmp_path / "out.mp4"), "--fps", "60"])
     assert res.exit_code == 0, res.output
-    with av.open(str(tmp_path / "out.mp4")) as c:
-        assert [s.type for s in c.streams] == ["video"]
+    streams, seconds, onset = sound(tmp_path / "out.mp4")
+    _, _, src_onset = sound(tmp_path / "in.mp4")
+    assert streams == ["video", "audio"] and abs(seconds - 1.0) < 0.05, (streams, seconds)
+    assert abs(onset - src_onset) < 0.03 and abs(onset - 0.5) < 0.05, (onset, src_onset)
+    assert len(decode(tmp_path / "out.mp4")[0]) == 59

@@ -163,8 +163,8 @@ def interpolate(src, dst, fps, bench, as_json):
     """Convert SRC to --fps N by optical-flow frame interpolation; write DST as H.264 MP4.
 
     DST has exactly round((n-1)*N/fps_in)+1 frames and starts on SRC's first frame. At a cut
-    the nearest frame is repeated instead of blending two scenes. SRC's audio is not carried
-    over: DST has the video only.
+    the nearest frame is repeated instead of blending two scenes. SRC's first audio track goes
+    along, re-encoded as AAC, in step with the picture (the duration does not change).
 
     \b
     Example:
@@ -200,7 +200,7 @@ def interpolate(src, dst, fps, bench, as_json):
         task = p.add_task("", total=None)
         out_frames = interp(frames, fps_in, fps, progress=lambda d, t: p.update(task, completed=d, total=t))
     try:
-        encode_h264(out_frames, fps, dst)
+        encode_h264(out_frames, fps, dst, audio_from=src)
     except (OSError, av.error.FFmpegError) as e:  # a full disk, a folder gone or made read-only meanwhile
         raise SetupError(f"DST {dst}: cannot be written ({e.strerror or e})") from None
     secs = time.perf_counter() - t0
