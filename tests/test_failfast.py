@@ -20,6 +20,7 @@ from sqlalchemy import select, text
 
 from clipmill.jobs.cli import main
 from clipmill.jobs.core.models import Attempt, Job
+from clipmill.pipeline.video import decode
 from media import write_video
 
 GOOD = 'id,prompt\nr1,"a bowl of ramen, dolly in"\nr2,"sushi on a plate, pan left"\n'
@@ -357,7 +358,8 @@ def _h264_ts(path) -> None:
 def test_qc_reads_a_clip_from_a_pipe_or_a_fifo(tmp_path):
     """check_input_file read one byte to test readability: through a pipe (`clipmill qc
     <(cat clip.ts)`) that byte was gone and the clip read as "not a readable video"; from a FIFO
-    the writer died of SIGPIPE and QC waited for ever. Only regular files are read ahead now."""
+    the writer died of SIGPIPE and QC waited for ever. Only regular files are read ahead now.
+    `clipmill interpolate` from a pipe writes the video and says the audio is not carried."""
     import subprocess
     import sys
 
@@ -368,6 +370,12 @@ def test_qc_reads_a_clip_from_a_pipe_or_a_fifo(tmp_path):
     piped, direct = (json.loads(line) for line in proc.stdout.splitlines())
     assert piped["path"].startswith("/dev/fd/") and direct["path"] == "clip.ts"
     assert (piped["verdict"], piped["metrics"]["frames"]) == (direct["verdict"], direct["metrics"]["frames"]) == ("pass", 24)
+    # interpolate reads a pipe once: its frames, not its sound (a second read of the pipe failed)
+    cmd = f"{sys.executable} -m clipmill.jobs.cli interpolate <(cat clip.ts) out.mp4 --fps 30"
+    proc = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "not a regular file (a pipe); its audio, if any, is not carried over" in proc.stderr, \
+        proc.stderr
+    assert len(decode(tmp_path / "out.mp4")[0]) == 30
 
     fifo = tmp_path / "fifo.ts"
     os.mkfifo(fifo)

@@ -164,7 +164,8 @@ def interpolate(src, dst, fps, bench, as_json):
 
     DST has exactly round((n-1)*N/fps_in)+1 frames and starts on SRC's first frame. At a cut
     the nearest frame is repeated instead of blending two scenes. SRC's first audio track goes
-    along, re-encoded as AAC, in step with the picture (the duration does not change).
+    along, re-encoded as AAC, in step with the picture (the duration does not change); from a
+    pipe, the video only.
 
     \b
     Example:
@@ -195,12 +196,15 @@ def interpolate(src, dst, fps, bench, as_json):
         raise BadInput(f"SRC {src}: {frames.shape[2]}x{frames.shape[1]} has an odd side; H.264 yuv420p needs even sides")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    seekable = Path(src).is_file()  # a pipe's frames are read once: its sound cannot be read again
+    if not seekable:
+        err.print(f"{src}: not a regular file (a pipe); its audio, if any, is not carried over")
     t0 = time.perf_counter()
     with Progress(TextColumn("interpolate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as p:
         task = p.add_task("", total=None)
         out_frames = interp(frames, fps_in, fps, progress=lambda d, t: p.update(task, completed=d, total=t))
     try:
-        encode_h264(out_frames, fps, dst, audio_from=src)
+        encode_h264(out_frames, fps, dst, audio_from=src if seekable else None)
     except (OSError, av.error.FFmpegError) as e:  # a full disk, a folder gone or made read-only meanwhile
         raise SetupError(f"DST {dst}: cannot be written ({e.strerror or e})") from None
     secs = time.perf_counter() - t0
