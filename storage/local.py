@@ -32,6 +32,21 @@ def _fsync(path: Path, directory: bool = False) -> None:
 TEMP_GLOB = ".clipmill-*.tmp"  # the temporary files of replacing: a killed writer leaves its own behind
 
 
+def abandoned(tmp: Path) -> bool:
+    """Whether ``tmp``, a temporary file of :func:`replacing` (``.clipmill-PID-HEX.tmp``), was
+    left by a process that is gone (on this host): no one will finish or remove it."""
+    try:
+        pid = int(tmp.name.split("-")[1])
+        os.kill(pid, 0)
+    except (IndexError, ValueError):
+        return False  # not one of ours
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # another user's process, running
+    return False  # its writer is running
+
+
 @contextmanager
 def replacing(target: str | os.PathLike) -> Iterator[Path]:
     """A temporary file's path beside ``target`` (beside the file it links to, when it is a

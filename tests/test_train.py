@@ -705,22 +705,31 @@ def test_train_model_refuses_an_export_or_a_teacher_that_would_lose_data(tmp_pat
 def test_a_killed_runs_temporary_files_are_swept_once_the_folder_is_held(tmp_path):
     """Checkpoints and latent chunks are written through temporary files with the writer's pid in
     their names (``storage.local.replacing``), so a run killed mid-save left one behind for
-    good, tens of MB each. The next run on the folder removes them once it holds its lock; the
-    checkpoints themselves are left as they are."""
+    good, tens of MB each. The next run on the folder removes them once it holds its lock, where
+    checkpoints go and only when their writer is gone; the checkpoints themselves are left."""
     from click.testing import CliRunner
 
     from clipmill.jobs.cli import main
 
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a pid no process has now
     ck = tmp_path / "ck"
     (ck / "vae").mkdir(parents=True)
-    stale = [ck / ".clipmill-4242-0badf00d.tmp", ck / "vae" / ".clipmill-4242-cafe0001.tmp"]
-    for p in stale:
+    stale = [ck / f".clipmill-{gone}-0badf00d.tmp", ck / "vae" / f".clipmill-{gone}-cafe0001.tmp"]
+    live = [ck / "vae" / f".clipmill-{os.getpid()}-0000beef.tmp", ck / "x" / "y" / f".clipmill-{gone}-0000abcd.tmp"]
+    for p in stale + live:
+        p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"half a checkpoint")
     (ck / "vae" / "state.pt").write_bytes(b"kept")
     r = CliRunner().invoke(main, ["train-model", "--recipe", "smoke", "--ckpt", str(ck), "--stages", "teacher",
                                   "--no-export"])
     assert r.exit_code == 2 and "the teacher stage needs the vae, text stage(s)" in r.output, r.output
     assert not any(p.exists() for p in stale) and (ck / "vae" / "state.pt").read_bytes() == b"kept"
+    assert all(p.exists() for p in live)  # a running writer's, and one deeper than checkpoints go: not touched
 
 
 def test_train_model_says_in_one_line_what_a_stage_lacks_or_where_it_cannot_write_and_stops_on_sigterm(tmp_path):

@@ -12,7 +12,7 @@ import click
 from clipmill.jobs.cli.common import (EXIT_INTERRUPTED, BadInput, SetupError, default_device, domain_errors,
                                       interruptible)
 from clipmill.jobs.core.locks import exclusive_lock
-from clipmill.storage.local import TEMP_GLOB
+from clipmill.storage.local import TEMP_GLOB, abandoned
 
 STAGES = ("vae", "text", "teacher", "student", "decoder")
 LOCK = "train.lock"  # in the checkpoint folder: one train-model run at a time works it
@@ -31,7 +31,8 @@ def hold_checkpoints(root: Path):
     second nightly run does) instead of writing the same checkpoints. A folder this run made and
     leaves holding nothing but the lock (a run refused before it wrote anything) is removed again.
     The temporary files a killed run left (a checkpoint half written) are removed once the lock
-    is held."""
+    is held: those in the folder and its subfolders whose writer is gone (a folder may hold
+    other things: ``--ckpt`` is the user's choice)."""
     made = [p for p in (root, *root.parents) if not p.exists()]  # the folders the lock creates, deepest first
     lock = root / LOCK
 
@@ -40,8 +41,10 @@ def hold_checkpoints(root: Path):
                           f"{lock}); wait for it to end, or give another --ckpt")
 
     with exclusive_lock(lock, busy):
-        for stale in root.rglob(TEMP_GLOB):  # what a killed run was writing: no other run writes here now
-            stale.unlink(missing_ok=True)
+        # what a killed run was writing, where checkpoints go (CKPT/, CKPT/STAGE/, CKPT/pool/)
+        for stale in [*root.glob(TEMP_GLOB), *root.glob(f"*/{TEMP_GLOB}")]:
+            if abandoned(stale):
+                stale.unlink(missing_ok=True)
         try:
             yield
         finally:
