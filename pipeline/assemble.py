@@ -19,7 +19,7 @@ import numpy as np
 
 from . import i420
 from ..storage.local import replacing
-from .video import local
+from .video import local, mux_pcm
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")
@@ -288,14 +288,7 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
         for packet in vs.encode():
             out.mux(packet)
         if aus is not None:
-            step = 1024  # AAC's frame size
-            pcm = np.ascontiguousarray(audio, dtype=np.float32)
-            for i in range(0, pcm.shape[1], step):
-                chunk = np.ascontiguousarray(pcm[:, i:i + step])
-                af = av.AudioFrame.from_ndarray(chunk, format="fltp", layout="stereo")
-                af.sample_rate, af.pts = rate, i
-                for packet in aus.encode(af):
-                    out.mux(packet)
+            mux_pcm(out, aus, np.asarray(audio, dtype=np.float32), 0, audio.shape[1], "stereo", rate)
             for packet in aus.encode():
                 out.mux(packet)
 

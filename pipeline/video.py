@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
@@ -38,14 +37,13 @@ def local(path: str | Path) -> str:
 
 
 def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF, preset: str = PRESET,
-                audio_from: str | Path | None = None) -> None:
+                sound: Sound | None = None) -> None:
     """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
 
     Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped. Written
     to a temporary file beside ``path`` and renamed over it (``replacing``); a write that fails
-    (a full disk: ``OSError``) leaves no partial file. ``audio_from``: a video file whose first
-    audio stream, if it has one, goes along as AAC (:func:`_audio_track`), timed from the file's
-    first video frame, as the frames are.
+    (a full disk: ``OSError``) leaves no partial file. ``sound`` (:func:`read_sound`) goes along
+    as AAC, interleaved with the video.
     """
     import av
 
@@ -64,68 +62,108 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF
             stream = out.add_stream(CODEC, rate=rate)
             stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
             stream.options = {"crf": str(crf), "preset": preset}
-            with _audio_track(audio_from, out) as audio:  # every stream is added before the first packet
-                for frame in frames:
-                    for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                        out.mux(packet)
-                for packet in stream.encode():
+            if sound is not None:  # every stream is added before the first packet
+                audio = out.add_stream(AUDIO_CODEC, rate=sound.rate, layout=sound.layout)
+                audio.bit_rate, done = AUDIO_BITRATE, 0
+            for i, frame in enumerate(frames):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                     out.mux(packet)
-                if audio is not None:
-                    audio(f / float(rate))
+                if sound is not None:  # the sound up to this frame's end, so that the streams interleave
+                    done = mux_pcm(out, audio, sound.pcm, done, round((i + 1) / float(rate) * sound.rate),
+                                   sound.layout, sound.rate)
+            for packet in stream.encode():
+                out.mux(packet)
+            if sound is not None:
+                mux_pcm(out, audio, sound.pcm, done, sound.pcm.shape[1], sound.layout, sound.rate)
+                for packet in audio.encode():
+                    out.mux(packet)
 
 
 AUDIO_CODEC, AUDIO_BITRATE = "aac", 192_000
 AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}  # more channels are mixed down to stereo
+AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+AAC_FRAME = 1024  # samples per AAC frame
 
 
-@contextmanager
-def _audio_track(src: str | Path | None, out) -> Iterator[Callable[[float], None] | None]:
-    """Open ``src`` and add its first audio stream to the output ``out`` as AAC, before
-    anything is muxed; yields a function that writes it for ``seconds`` from the time of
-    ``src``'s first video frame (where the frames written start): a retimed clip keeps its
-    duration, so the sound stays in step with the picture. Any codec FFmpeg decodes is
-    re-encoded, since MP4 does not hold every one (PCM, Vorbis). Yields None when ``src`` is
-    None or has no audio."""
+@dataclass
+class Sound:
+    """A clip's sound: float32 PCM (channels, samples) at ``rate``, channel ``layout``; sample 0
+    plays with the first frame."""
+
+    pcm: np.ndarray
+    rate: int
+    layout: str
+
+
+def read_sound(src: str | Path, seconds: float) -> Sound | None:
+    """``src``'s first audio track for ``seconds`` from the time of its first decoded video frame
+    (where its decoded frames start): each audio frame placed by its own time, silence where the
+    track has none (a gap, a late start), what lies before or after cut off. At its own rate
+    when AAC holds it, else 48 kHz; mono or stereo (more channels are mixed down). None when
+    ``src`` has no audio; a packet that does not decode is skipped; ``VideoError`` when the track
+    cannot be read at all."""
     import av
 
-    if src is None:
-        yield None
-        return
-    with av.open(local(src)) as inp:
-        if not inp.streams.audio:
-            yield None
-            return
-        ain = inp.streams.audio[0]
-        video = _video_stream(inp, src)
-        start = float(video.start_time * video.time_base) if video.start_time is not None else 0.0
-        rate = ain.codec_context.sample_rate or 48000
-        layout = AUDIO_LAYOUTS.get(ain.codec_context.channels, "stereo")
-        aout = out.add_stream(AUDIO_CODEC, rate=rate, layout=layout)
-        aout.bit_rate = AUDIO_BITRATE
+    try:
+        with av.open(local(src)) as inp:
+            if not inp.streams.audio:
+                return None
+            start = next((f.time for f in inp.decode(_video_stream(inp, src))), None) or 0.0
+        with av.open(local(src)) as inp:
+            ain = inp.streams.audio[0]
+            rate = ain.codec_context.sample_rate
+            layout = AUDIO_LAYOUTS.get(ain.codec_context.channels, "stereo")
+            convert = av.AudioResampler(format="fltp", layout=layout, rate=rate)  # the same rate: sample for sample
+            pcm = np.zeros((len(av.AudioLayout(layout).channels), round(seconds * rate)), np.float32)
+            for packet in inp.demux(ain):
+                try:
+                    frames = packet.decode()
+                except av.error.InvalidDataError:
+                    continue  # a damaged packet: silence there
+                for frame in frames:
+                    if frame.time is None:
+                        continue
+                    at = round((frame.time - start) * rate)
+                    for out in convert.resample(frame):
+                        data = out.to_ndarray()
+                        lo, hi = max(at, 0), min(at + data.shape[1], pcm.shape[1])
+                        if lo < hi:
+                            pcm[:, lo:hi] = data[:, lo - at:hi - at]
+                        at += data.shape[1]
+    except av.error.FFmpegError as e:
+        raise VideoError(f"{src}: its audio cannot be read ({_why(e)})") from None
+    if rate not in AAC_RATES:
+        rate, pcm = 48000, _resample(pcm, rate, 48000, layout)
+    return Sound(pcm, rate, layout)
 
-        def write(seconds: float) -> None:
-            resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
-            end = None  # the next output sample: the first one follows the first frame's time
 
-            def put(frames) -> None:
-                nonlocal end
-                for rf in frames:
-                    rf.pts, rf.time_base, end = end, Fraction(1, rate), end + rf.samples
-                    for packet in aout.encode(rf):
-                        out.mux(packet)
+def _resample(pcm: np.ndarray, rate: int, to: int, layout: str) -> np.ndarray:
+    """``pcm`` at ``rate`` resampled to ``to``, as many samples as the same duration holds."""
+    import av
 
-            for frame in inp.decode(ain):
-                t = None if frame.pts is None else float(frame.pts * frame.time_base) - start
-                if t is None or t + frame.samples / frame.sample_rate <= 0 or t >= seconds:
-                    continue  # untimed, before the first video frame, or after the last
-                end = max(0, round(t * rate)) if end is None else end
-                put(resampler.resample(frame))
-            if end is not None:
-                put(resampler.resample(None))  # what the resampler holds back
-            for packet in aout.encode():
-                out.mux(packet)
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm), format="fltp", layout=layout)
+    frame.sample_rate = rate
+    r = av.AudioResampler(format="fltp", layout=layout, rate=to)
+    out = np.concatenate([f.to_ndarray() for f in [*r.resample(frame), *r.resample(None)]], axis=1)
+    n = round(pcm.shape[1] * to / rate)
+    return np.pad(out, ((0, 0), (0, max(0, n - out.shape[1]))))[:, :n].astype(np.float32)
 
-        yield write
+
+def mux_pcm(out, stream, pcm: np.ndarray, done: int, upto: int, layout: str, rate: int) -> int:
+    """Encode ``pcm``'s samples from ``done`` to ``upto`` (whole AAC frames, and the rest at the
+    end of ``pcm``) into the AAC ``stream`` and mux them into ``out``: called as the video goes,
+    so that the file's audio and video interleave. Returns the samples done."""
+    import av
+
+    end = pcm.shape[1]
+    upto = end if upto >= end else upto - (upto - done) % AAC_FRAME
+    for i in range(done, upto, AAC_FRAME):
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, i:min(i + AAC_FRAME, upto)]), format="fltp",
+                                           layout=layout)
+        frame.sample_rate, frame.pts = rate, i
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    return max(done, upto)
 
 
 def _why(e: Exception) -> str:

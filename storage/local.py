@@ -5,11 +5,12 @@ use too)."""
 
 from __future__ import annotations
 
-import errno
 import os
 import secrets
 import shutil
+import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
@@ -17,28 +18,46 @@ from typing import BinaryIO, Callable, Iterator
 from clipmill.storage.base import StorageUnavailable, check_key, sha256_file
 
 
-def _fsync(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
-    except OSError as e:
-        # some file systems cannot sync a folder (EINVAL); the file itself is on disk by then
-        if not (directory and e.errno in (errno.EINVAL, errno.ENOTSUP)):
-            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_folder(path: Path) -> None:
+    """Flush a rename in ``path`` to disk, where the folder can be opened and synced: a folder
+    one may write but not list (mode 0333), a file system that cannot sync a folder (EINVAL)
+    are left as they are; the file itself is on disk by then."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 
 
 TEMP_GLOB = ".clipmill-*.tmp"  # the temporary files of replacing: a killed writer leaves its own behind
+_HOST = socket.gethostname().replace("-", "_")[:40] or "host"
+STALE_AFTER = 600  # s unwritten: a writer in another pid namespace of the same host name is not seen
 
 
 def abandoned(tmp: Path) -> bool:
-    """Whether ``tmp``, a temporary file of :func:`replacing` (``.clipmill-PID-HEX.tmp``), was
-    left by a process that is gone (on this host): no one will finish or remove it."""
+    """Whether ``tmp``, a temporary file of :func:`replacing` (``.clipmill-HOST-PID-HEX.tmp``),
+    was left by a process of this host that is gone, and has not been written for STALE_AFTER:
+    no one will finish or remove it. A file of another host (a container, an NFS client) or of a
+    running process, a link or a folder, is not."""
     try:
-        pid = int(tmp.name.split("-")[1])
-        os.kill(pid, 0)
-    except (IndexError, ValueError):
+        _, host, pid, _ = tmp.name.split("-")
+        if host != _HOST or tmp.is_symlink() or not tmp.is_file() or time.time() - tmp.stat().st_mtime < STALE_AFTER:
+            return False
+        os.kill(int(pid), 0)
+    except (ValueError, OverflowError):
         return False  # not one of ours
     except ProcessLookupError:
         return True
@@ -48,29 +67,31 @@ def abandoned(tmp: Path) -> bool:
 
 
 @contextmanager
-def replacing(target: str | os.PathLike) -> Iterator[Path]:
-    """A temporary file's path beside ``target`` (beside the file it links to, when it is a
-    link) for the block to write: when the block ends the file is flushed to disk and renamed
-    over the target, and the rename itself flushed; when it raises, the file is removed. So
-    ``target`` is whole or as it was after a full disk, a crash of the process or of the
-    machine, and a reader never sees half a file. The temporary name is short whatever the
-    target's (a name near the file system's 255-byte limit) and unique to the writer; the file
-    gets the mode the writer's ``open`` gives it."""
-    real = Path(os.path.realpath(target))
-    tmp = real.with_name(f".clipmill-{os.getpid()}-{secrets.token_hex(4)}.tmp")
+def replacing(target: str | os.PathLike, follow_links: bool = True) -> Iterator[Path]:
+    """A temporary file's path beside ``target`` (beside the file it links to, when it is a link
+    and ``follow_links``; else the link itself is replaced) for the block to write: when the
+    block ends the file is flushed to disk and renamed over the target, and the rename itself
+    flushed; when it raises, the file is removed. So ``target`` is whole or as it was after a
+    full disk, a crash of the process or of the machine, and a reader never sees half a file.
+    The temporary name is short whatever the target's (a name near the file system's 255-byte
+    limit) and names its writer (host and pid, :func:`abandoned`); the file gets the mode the
+    writer's ``open`` gives it."""
+    real = Path(os.path.realpath(target)) if follow_links else Path(os.path.abspath(target))
+    tmp = real.with_name(f".clipmill-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         yield tmp
         _fsync(tmp)
         os.replace(tmp, real)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync(real.parent, directory=True)
+    _fsync_folder(real.parent)
 
 
 def write_atomic(target: str | os.PathLike, fill: Callable[[BinaryIO], object]) -> None:
     """Write the file ``target`` whole or not at all: ``fill(f)`` writes the temporary file of
-    :func:`replacing`."""
-    with replacing(target) as tmp, open(tmp, "xb") as f:
+    :func:`replacing`. A link at ``target`` is replaced, not followed (a storage key never
+    writes outside its root)."""
+    with replacing(target, follow_links=False) as tmp, open(tmp, "xb") as f:
         fill(f)
 
 

@@ -83,6 +83,42 @@ def test_interpolate_onto_a_full_disk_is_one_line_and_exit_3(tmp_path, full_disk
     assert "Traceback" not in res.output
 
 
+def test_the_sound_goes_where_its_own_times_say(tmp_path):
+    """``read_sound`` places each audio frame by its own time (the first version laid them end to
+    end from the first: a hole in the track made all after it early): a PCM track that starts
+    0.25 s after the picture and has a hole at 0.5-0.75 s keeps its tone at 0.75 s. At 4 kHz, a
+    rate AAC does not hold (it failed the whole command), it comes back at 48 kHz, exactly as
+    long as the picture."""
+    import av
+    from fractions import Fraction
+
+    from clipmill.pipeline.video import read_sound
+
+    path, rate = tmp_path / "gap.mkv", 4000
+    with av.open(str(path), "w") as c:
+        v = c.add_stream("libx264", rate=24)
+        v.width, v.height, v.pix_fmt = 64, 64, "yuv420p"
+        a = c.add_stream("pcm_s16le", rate=rate, layout="mono")
+        for f in np.zeros((24, 64, 64, 3), np.uint8):
+            for p in v.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                c.mux(p)
+        for p in v.encode():
+            c.mux(p)
+        n = np.arange(rate // 4)
+        for t0, amp in ((0.25, 0), (0.75, 12000)):  # silence, then a tone a quarter second later
+            pcm = (amp * np.sin(2 * np.pi * 440 * n / rate)).astype(np.int16)[None]
+            af = av.AudioFrame.from_ndarray(pcm, format="s16", layout="mono")
+            af.sample_rate, af.pts, af.time_base = rate, int(t0 * rate), Fraction(1, rate)
+            for p in a.encode(af):
+                c.mux(p)
+        for p in a.encode():
+            c.mux(p)
+    sound = read_sound(path, 1.0)
+    assert (sound.rate, sound.layout, sound.pcm.shape) == (48000, "mono", (1, 48000))
+    loud = np.abs(sound.pcm[0]) > 0.1
+    assert abs(np.argmax(loud) / 48000 - 0.75) < 0.005 and loud[36500:47500].mean() > 0.5
+
+
 def test_interpolate_carries_the_audio_in_step_with_the_picture(tmp_path):
     """A clip with sound came out silent. Now DST has the video and SRC's audio (AAC), as long as
     the picture, and a tone that starts half way through SRC starts at the same time in DST."""

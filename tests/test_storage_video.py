@@ -45,7 +45,8 @@ def test_atomic_writes_keep_links_modes_and_long_names(tmp_path):
     """One mechanism (``replacing``) writes clips, sidecars, sheets and checkpoints: a name near
     the 255-byte limit writes (``write_atomic``'s temporary name was the target's plus 13
     characters: ENAMETOOLONG), a link keeps linking to the file it names, which is replaced,
-    and the file gets the mode a plain ``open`` gives it (the umask's), not ``mkstemp``'s 0600."""
+    and the file gets the mode a plain ``open`` gives it (the umask's), not ``mkstemp``'s 0600.
+    ``write_atomic`` (storage keys, sheets, markers) replaces a link instead, as it did."""
     from clipmill.storage.local import replacing, write_atomic
 
     long = tmp_path / ("n" * 250 + ".json")
@@ -59,7 +60,7 @@ def test_atomic_writes_keep_links_modes_and_long_names(tmp_path):
     old = os.umask(0o027)
     try:
         with replacing(link) as tmp:
-            assert tmp.parent == tmp_path / "real" and len(tmp.name) < 40
+            assert tmp.parent == tmp_path / "real" and len(tmp.name) < 80
             tmp.write_bytes(b"new")
     finally:
         os.umask(old)
@@ -70,6 +71,9 @@ def test_atomic_writes_keep_links_modes_and_long_names(tmp_path):
         with replacing(link):
             pass
     assert link.read_bytes() == b"new"
+    write_atomic(link, lambda f: f.write(b"stored"))  # storage replaces a link, never writes through it
+    assert not link.is_symlink() and link.read_bytes() == b"stored"
+    assert (tmp_path / "real" / "x.mp4").read_bytes() == b"new"
 
 
 @pytest.mark.parametrize("key", ["../etc/passwd", "/abs", "a//b", "a/./b", "", "a\\b"])

@@ -714,22 +714,31 @@ def test_a_killed_runs_temporary_files_are_swept_once_the_folder_is_held(tmp_pat
     import os
     import subprocess
     import sys
+    import time
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a pid no process has now
+    from clipmill.storage.local import _HOST
+
     ck = tmp_path / "ck"
     (ck / "vae").mkdir(parents=True)
-    stale = [ck / f".clipmill-{gone}-0badf00d.tmp", ck / "vae" / f".clipmill-{gone}-cafe0001.tmp"]
-    live = [ck / "vae" / f".clipmill-{os.getpid()}-0000beef.tmp", ck / "x" / "y" / f".clipmill-{gone}-0000abcd.tmp"]
-    for p in stale + live:
+    stale = [ck / f".clipmill-{_HOST}-{gone}-0badf00d.tmp", ck / "vae" / f".clipmill-{_HOST}-{gone}-cafe0001.tmp"]
+    live = [ck / "vae" / f".clipmill-{_HOST}-{os.getpid()}-0000beef.tmp",  # a running writer's
+            ck / "x" / "y" / f".clipmill-{_HOST}-{gone}-0000abcd.tmp",  # deeper than checkpoints go
+            ck / f".clipmill-otherhost-{gone}-0000cafe.tmp",  # another host's (a container's): its pid means nothing here
+            ck / f".clipmill-{_HOST}-99999999999999999999-00000000.tmp"]  # not a pid
+    fresh = ck / "vae" / f".clipmill-{_HOST}-{gone}-0000f00d.tmp"  # written a moment ago: perhaps another namespace's
+    for p in stale + live + [fresh]:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(b"half a checkpoint")
+        if p != fresh:
+            os.utime(p, (time.time() - 3600, time.time() - 3600))
     (ck / "vae" / "state.pt").write_bytes(b"kept")
     r = CliRunner().invoke(main, ["train-model", "--recipe", "smoke", "--ckpt", str(ck), "--stages", "teacher",
                                   "--no-export"])
     assert r.exit_code == 2 and "the teacher stage needs the vae, text stage(s)" in r.output, r.output
     assert not any(p.exists() for p in stale) and (ck / "vae" / "state.pt").read_bytes() == b"kept"
-    assert all(p.exists() for p in live)  # a running writer's, and one deeper than checkpoints go: not touched
+    assert all(p.exists() for p in live) and fresh.exists()
 
 
 def test_train_model_says_in_one_line_what_a_stage_lacks_or_where_it_cannot_write_and_stops_on_sigterm(tmp_path):

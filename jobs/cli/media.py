@@ -181,7 +181,7 @@ def interpolate(src, dst, fps, bench, as_json):
 
     from clipmill.jobs.core.preflight import check_input_file
     from clipmill.pipeline.interpolate import interpolate as interp
-    from clipmill.pipeline.video import VideoError, decode, encode_h264
+    from clipmill.pipeline.video import VideoError, decode, encode_h264, read_sound
 
     with domain_errors():
         check_input_file(src, "SRC")
@@ -203,8 +203,14 @@ def interpolate(src, dst, fps, bench, as_json):
     with Progress(TextColumn("interpolate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err) as p:
         task = p.add_task("", total=None)
         out_frames = interp(frames, fps_in, fps, progress=lambda d, t: p.update(task, completed=d, total=t))
+    sound = None
+    if seekable:
+        try:
+            sound = read_sound(src, len(out_frames) / fps)
+        except VideoError as e:
+            err.print(f"SRC {e}; DST has the video only")
     try:
-        encode_h264(out_frames, fps, dst, audio_from=src if seekable else None)
+        encode_h264(out_frames, fps, dst, sound=sound)
     except (OSError, av.error.FFmpegError) as e:  # a full disk, a folder gone or made read-only meanwhile
         raise SetupError(f"DST {dst}: cannot be written ({e.strerror or e})") from None
     secs = time.perf_counter() - t0

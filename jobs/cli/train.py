@@ -42,7 +42,8 @@ def hold_checkpoints(root: Path):
 
     with exclusive_lock(lock, busy):
         # what a killed run was writing, where checkpoints go (CKPT/, CKPT/STAGE/, CKPT/pool/)
-        for stale in [*root.glob(TEMP_GLOB), *root.glob(f"*/{TEMP_GLOB}")]:
+        folders = [root, *(d for d in root.iterdir() if d.is_dir() and not d.is_symlink())]
+        for stale in [t for d in folders for t in d.glob(TEMP_GLOB)]:
             if abandoned(stale):
                 stale.unlink(missing_ok=True)
         try:
