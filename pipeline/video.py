@@ -112,6 +112,8 @@ def read_sound(src: str | Path, seconds: float) -> Sound | None:
         with av.open(local(src)) as inp:
             ain = inp.streams.audio[0]
             rate = ain.codec_context.sample_rate
+            if not rate:
+                raise VideoError(f"{src}: its audio states no sample rate")
             layout = AUDIO_LAYOUTS.get(ain.codec_context.channels, "stereo")
             convert = av.AudioResampler(format="fltp", layout=layout, rate=rate)  # the same rate: sample for sample
             pcm = np.zeros((len(av.AudioLayout(layout).channels), round(seconds * rate)), np.float32)

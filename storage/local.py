@@ -63,6 +63,8 @@ def abandoned(tmp: Path) -> bool:
         return True
     except PermissionError:
         return False  # another user's process, running
+    except OSError:
+        return False  # gone already (its writer finished), or unreadable
     return False  # its writer is running
 
 
