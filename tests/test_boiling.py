@@ -25,6 +25,20 @@ def _h264(frames: np.ndarray, fps: float) -> np.ndarray:
         return decode(path)[0]
 
 
+def _shape_boiling(spec, seed: int, noise: float, level: float, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """A shapes-world clip (64 px, 8 frames at 8 fps) with sensor noise, and its twin whose shape
+    re-rolls band-pass texture (``level`` luma std, ``scale`` px) every frame: both through H.264."""
+    from clipmill.pipeline import shapes
+
+    clip = shapes.render(spec, seed, frames=8, size=64)
+    rng = np.random.default_rng(5)
+    base = clip.frames.astype(np.float32) + rng.normal(0, noise, clip.frames.shape)
+    boiling = base.copy()
+    for i in range(len(boiling)):
+        boiling[i] += (level * clip.alpha[i] * bandpass_noise((64, 64), scale, rng))[..., None]
+    return _h264(base, 8.0), _h264(boiling, 8.0)
+
+
 @pytest.mark.slow
 def test_boiling_set_on_unseen_seeds():
     """On TEST_SEEDS (20 scenes, a good and a boiling clip each): at most 5% of grainy good clips
@@ -102,13 +116,8 @@ def test_a_small_shape_boiling_inside_is_caught_though_its_outline_is_near(monke
     from clipmill.pipeline import shapes
     from clipmill.qc import metrics
 
-    clip = shapes.render(shapes.Spec("yellow", "square", "stays still", "black", "static shot"), 31, frames=8, size=64)
-    rng = np.random.default_rng(5)
-    base = clip.frames.astype(np.float32) + rng.normal(0, 2.5, clip.frames.shape)
-    boiling = base.copy()
-    for i in range(len(boiling)):
-        boiling[i] += (10.0 * clip.alpha[i] * bandpass_noise((64, 64), 2.0, rng))[..., None]
-    good, bad = _h264(base, 8.0), _h264(boiling, 8.0)
+    good, bad = _shape_boiling(shapes.Spec("yellow", "square", "stays still", "black", "static shot"), 31,
+                               noise=2.5, level=10.0, scale=2.0)
     assert check_frames(good, 8).verdict == "pass"
     res = check_frames(bad, 8)
     assert res.verdict == "reject" and res.reasons[0].startswith("boiling: frames 0-7 (fine texture"), res.reasons
@@ -126,13 +135,8 @@ def test_a_small_coloured_shape_boiling_is_not_excused_by_its_colour_edges(monke
     from clipmill.pipeline import shapes
     from clipmill.qc import metrics
 
-    clip = shapes.render(shapes.Spec("blue", "triangle", "moves left", "black", "zoom in"), 7, frames=8, size=64)
-    rng = np.random.default_rng(5)
-    base = clip.frames.astype(np.float32) + rng.normal(0, 1.5, clip.frames.shape)
-    boiling = base.copy()
-    for i in range(len(boiling)):
-        boiling[i] += (9.0 * clip.alpha[i] * bandpass_noise((64, 64), 1.7, rng))[..., None]
-    good, bad = _h264(base, 8.0), _h264(boiling, 8.0)
+    good, bad = _shape_boiling(shapes.Spec("blue", "triangle", "moves left", "black", "zoom in"), 7,
+                               noise=1.5, level=9.0, scale=1.7)
     assert check_frames(good, 8).verdict == "pass"
     res = check_frames(bad, 8)
     assert res.verdict == "reject" and res.reasons[0].startswith("boiling: frames 0-7 (fine texture"), res.reasons
