@@ -19,7 +19,8 @@ import numpy as np
 
 from . import i420
 from ..storage.local import replacing
-from .video import local, mux_pcm
+from .audio import Sound
+from .video import local
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")
@@ -279,18 +280,17 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
         vs.options = opts
         aus = None
         if audio is not None:
-            aus = out.add_stream("aac", rate=rate, layout="stereo")
-            aus.bit_rate = d.audio_kbps * 1000
-        for frame in frame_iter:  # I420 as frames() makes them, or RGB
+            aus = Sound(np.asarray(audio, dtype=np.float32), rate, "stereo").writer(out, d.audio_kbps * 1000)
+        for i, frame in enumerate(frame_iter):  # I420 as frames() makes them, or RGB
             yuv = frame if frame.ndim == 2 else cv2.cvtColor(frame, cv2.COLOR_RGB2YUV_I420)
             for packet in vs.encode(av.VideoFrame.from_ndarray(yuv, format="yuv420p")):
                 out.mux(packet)
+            if aus is not None:  # the music up to this frame's end, so that the streams interleave
+                aus.until((i + 1) / fps)
         for packet in vs.encode():
             out.mux(packet)
         if aus is not None:
-            mux_pcm(out, aus, np.asarray(audio, dtype=np.float32), 0, audio.shape[1], "stereo", rate)
-            for packet in aus.encode():
-                out.mux(packet)
+            aus.close()
 
 
 def probe_av(path: str | Path) -> dict:

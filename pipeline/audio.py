@@ -1,47 +1,188 @@
-"""Music for finished ads: decode an audio file to PCM, fit it to a video's exact length (looped
-when shorter, trimmed when longer), set its volume and fade it out.
+"""Sound: read a file's first audio track to PCM (all of it, or placed against a clip's
+picture), fit it to a video's exact length (looped when shorter, trimmed when longer, its
+volume set, faded out), and write it into an MP4 as AAC interleaved with the video.
 
-PCM here is float32 (channels, samples) in [-1, 1] at :data:`RATE`, stereo. Nothing here knows
-about templates or jobs.
+PCM here is float32 (channels, samples) in [-1, 1]. Music for finished ads is stereo at
+:data:`RATE`. Nothing here knows about templates or jobs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
-from .video import local
+from .video import VideoError, local, reason, video_stream
 
 RATE = 48000
 CHANNELS = 2
+AAC, AAC_BITRATE = "aac", 192_000
+AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+AAC_FRAME = 1024  # samples per AAC frame
+LAYOUTS = {1: "mono", 2: "stereo"}  # a clip's sound keeps mono or stereo; more channels are mixed down to stereo
 
 
 class AudioError(ValueError):
     """A file that cannot be read as audio."""
 
 
+@dataclass
+class Sound:
+    """A clip's sound: float32 PCM (channels, samples) at ``rate``, channel ``layout``; sample 0
+    plays with the first frame. ``damaged``: packets of the source that did not decode (silent
+    here)."""
+
+    pcm: np.ndarray
+    rate: int
+    layout: str
+    damaged: int = 0
+
+    def writer(self, out, bit_rate: int = AAC_BITRATE) -> AacWriter:
+        """Add this sound's AAC stream to ``out`` (an ``av`` container open for writing; before
+        its first packet) and return what writes it."""
+        return AacWriter(out, self, bit_rate)
+
+
+class AacWriter:
+    """A :class:`Sound` written as AAC into a container as its video is written: ``until(t)``
+    after each video frame (whole AAC frames up to ``t`` seconds, so that the streams
+    interleave), ``close()`` after the video (the rest of the sound, and the encoder's flush)."""
+
+    def __init__(self, out, sound: Sound, bit_rate: int = AAC_BITRATE):
+        self.out, self.sound, self.done = out, sound, 0
+        self.stream = out.add_stream(AAC, rate=sound.rate, layout=sound.layout)
+        self.stream.bit_rate = bit_rate
+
+    def until(self, seconds: float) -> None:
+        upto = round(seconds * self.sound.rate)
+        if upto < self.sound.pcm.shape[1]:
+            self._encode(upto - (upto - self.done) % AAC_FRAME)
+
+    def close(self) -> None:
+        self._encode(self.sound.pcm.shape[1])
+        for packet in self.stream.encode():
+            self.out.mux(packet)
+
+    def _encode(self, upto: int) -> None:
+        import av
+
+        pcm, rate, layout = self.sound.pcm, self.sound.rate, self.sound.layout
+        for i in range(self.done, upto, AAC_FRAME):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, i:min(i + AAC_FRAME, upto)]),
+                                               format="fltp", layout=layout)
+            frame.sample_rate, frame.pts = rate, i
+            for packet in self.stream.encode(frame):
+                self.out.mux(packet)
+        self.done = max(self.done, upto)
+
+
+def _decoded(container, stream, layout: str, rate: int) -> Iterator[tuple[float | None, np.ndarray | None]]:
+    """(time, PCM) for each decoded piece of ``stream``, converted to float32 ``layout`` at
+    ``rate``: the time (seconds) of the source frame it starts, None where it follows on from
+    the piece before. A packet that does not decode gives (its time or None, None). A frame
+    whose sample format, channels or rate differ from the one before (a track joined from two
+    recordings) gets a converter of its own: one converter refuses it."""
+    import av
+
+    convert, made = None, None
+    for packet in container.demux(stream):
+        try:
+            frames = packet.decode()
+        except av.error.InvalidDataError:
+            yield (float(packet.pts * packet.time_base) if packet.pts is not None else None), None
+            continue
+        for frame in frames:
+            kind = (frame.format.name, frame.layout.name, frame.sample_rate)
+            if kind != made:
+                if convert is not None:
+                    for out in convert.resample(None):
+                        yield None, out.to_ndarray()
+                convert, made = av.AudioResampler(format="fltp", layout=layout, rate=rate), kind
+            for i, out in enumerate(convert.resample(frame)):
+                yield (frame.time if i == 0 else None), out.to_ndarray()
+    if convert is not None:
+        for out in convert.resample(None):
+            yield None, out.to_ndarray()
+
+
 def load(path: str | Path, rate: int = RATE) -> np.ndarray:
-    """All of the first audio stream of ``path`` as float32 (2, samples) at ``rate``."""
+    """All of the first audio stream of ``path`` as float32 (2, samples) at ``rate``.
+    ``AudioError`` when it has none, has no samples, or a packet does not decode (named by its
+    time: a damaged file, not music with a gap)."""
     import av
 
     try:
         with av.open(local(path)) as container:
             stream = container.streams.audio[0]
-            resampler = av.AudioResampler(format="fltp", layout="stereo", rate=rate)
             chunks = []
-            for frame in container.decode(stream):
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray())
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray())
+            for time, pcm in _decoded(container, stream, "stereo", rate):
+                if pcm is None:
+                    at = f"at {max(time, 0.0):.3f} s" if time is not None else "in a packet"
+                    raise AudioError(f"{path}: the audio is damaged {at} (a packet does not decode); "
+                                     "re-export or re-encode it")
+                chunks.append(pcm)
     except IndexError:
         raise AudioError(f"{path}: it has no audio stream") from None
     except av.error.FFmpegError as e:
-        raise AudioError(f"{path}: not a readable audio file ({getattr(e, 'strerror', None) or e})") from None
-    if not chunks:
+        raise AudioError(f"{path}: not a readable audio file ({reason(e)})") from None
+    if not chunks or not sum(c.shape[1] for c in chunks):
         raise AudioError(f"{path}: the audio stream has no samples")
     return np.concatenate(chunks, axis=1).astype(np.float32)
+
+
+def read_sound(src: str | Path, seconds: float) -> Sound | None:
+    """``src``'s first audio track for ``seconds`` from the time of its first decoded video frame
+    (where its decoded frames start): each audio frame placed by its own time, silence where the
+    track has none (a gap, a late start, a packet that does not decode), what lies before or
+    after cut off. At its own rate when AAC holds it, else 48 kHz; mono or stereo (more
+    channels are mixed down). None when ``src`` has no audio; ``VideoError`` when the track
+    cannot be read at all, or none of its packets decodes."""
+    import av
+
+    try:
+        with av.open(local(src)) as inp:
+            if not inp.streams.audio:
+                return None
+            start = next((f.time for f in inp.decode(video_stream(inp, src))), None) or 0.0
+        with av.open(local(src)) as inp:
+            ain = inp.streams.audio[0]
+            rate = ain.codec_context.sample_rate
+            if not rate:
+                raise VideoError(f"{src}: its audio states no sample rate")
+            layout = LAYOUTS.get(ain.codec_context.channels, "stereo")
+            pcm = np.zeros((len(av.AudioLayout(layout).channels), round(seconds * rate)), np.float32)
+            damaged, decoded, at = 0, 0, 0
+            for time, data in _decoded(inp, ain, layout, rate):
+                if data is None:
+                    damaged += 1
+                    continue
+                if time is not None:  # a source frame's first piece; the rest follows on
+                    at = round((time - start) * rate)
+                lo, hi = max(at, 0), min(at + data.shape[1], pcm.shape[1])
+                if lo < hi:
+                    pcm[:, lo:hi] = data[:, lo - at:hi - at]
+                at, decoded = at + data.shape[1], decoded + data.shape[1]
+    except av.error.FFmpegError as e:
+        raise VideoError(f"{src}: its audio cannot be read ({reason(e)})") from None
+    if not decoded and damaged:
+        raise VideoError(f"{src}: none of its {damaged} audio packets decodes")
+    if rate not in AAC_RATES:
+        rate, pcm = 48000, _resample(pcm, rate, 48000, layout)
+    return Sound(pcm, rate, layout, damaged)
+
+
+def _resample(pcm: np.ndarray, rate: int, to: int, layout: str) -> np.ndarray:
+    """``pcm`` at ``rate`` resampled to ``to``, as many samples as the same duration holds."""
+    import av
+
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm), format="fltp", layout=layout)
+    frame.sample_rate = rate
+    r = av.AudioResampler(format="fltp", layout=layout, rate=to)
+    out = np.concatenate([f.to_ndarray() for f in [*r.resample(frame), *r.resample(None)]], axis=1)
+    n = round(pcm.shape[1] * to / rate)
+    return np.pad(out, ((0, 0), (0, max(0, n - out.shape[1]))))[:, :n].astype(np.float32)
 
 
 def fit(pcm: np.ndarray, seconds: float, volume: float = 1.0, fade_out: float = 0.0, rate: int = RATE,

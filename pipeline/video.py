@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -37,13 +36,14 @@ def local(path: str | Path) -> str:
 
 
 def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF, preset: str = PRESET,
-                sound: Sound | None = None) -> None:
+                sound=None) -> None:
     """Write (F, H, W, 3) uint8 RGB frames to an H.264 MP4 that plays in a browser.
 
     Odd widths or heights cannot be stored in yuv420p; they are refused, not cropped. Written
     to a temporary file beside ``path`` and renamed over it (``replacing``); a write that fails
-    (a full disk: ``OSError``) leaves no partial file. ``sound`` (:func:`read_sound`) goes along
-    as AAC, interleaved with the video.
+    (a full disk: ``OSError``) leaves no partial file. ``sound``, an
+    :class:`.audio.Sound` (:func:`.audio.read_sound`), goes along as AAC, interleaved with the video
+    (typed by name only: ``audio`` reads through this module).
     """
     import av
 
@@ -62,120 +62,26 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF
             stream = out.add_stream(CODEC, rate=rate)
             stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
             stream.options = {"crf": str(crf), "preset": preset}
-            if sound is not None:  # every stream is added before the first packet
-                audio = out.add_stream(AUDIO_CODEC, rate=sound.rate, layout=sound.layout)
-                audio.bit_rate, done = AUDIO_BITRATE, 0
+            audio = sound.writer(out) if sound is not None else None  # every stream before the first packet
             for i, frame in enumerate(frames):
                 for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                     out.mux(packet)
-                if sound is not None:  # the sound up to this frame's end, so that the streams interleave
-                    done = mux_pcm(out, audio, sound.pcm, done, round((i + 1) / float(rate) * sound.rate),
-                                   sound.layout, sound.rate)
+                if audio is not None:  # the sound up to this frame's end, so that the streams interleave
+                    audio.until((i + 1) / rate)
             for packet in stream.encode():
                 out.mux(packet)
-            if sound is not None:
-                mux_pcm(out, audio, sound.pcm, done, sound.pcm.shape[1], sound.layout, sound.rate)
-                for packet in audio.encode():
-                    out.mux(packet)
+            if audio is not None:
+                audio.close()
 
 
-AUDIO_CODEC, AUDIO_BITRATE = "aac", 192_000
-AUDIO_LAYOUTS = {1: "mono", 2: "stereo"}  # more channels are mixed down to stereo
-AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
-AAC_FRAME = 1024  # samples per AAC frame
-
-
-@dataclass
-class Sound:
-    """A clip's sound: float32 PCM (channels, samples) at ``rate``, channel ``layout``; sample 0
-    plays with the first frame."""
-
-    pcm: np.ndarray
-    rate: int
-    layout: str
-
-
-def read_sound(src: str | Path, seconds: float) -> Sound | None:
-    """``src``'s first audio track for ``seconds`` from the time of its first decoded video frame
-    (where its decoded frames start): each audio frame placed by its own time, silence where the
-    track has none (a gap, a late start), what lies before or after cut off. At its own rate
-    when AAC holds it, else 48 kHz; mono or stereo (more channels are mixed down). None when
-    ``src`` has no audio; a packet that does not decode is skipped; ``VideoError`` when the track
-    cannot be read at all."""
-    import av
-
-    try:
-        with av.open(local(src)) as inp:
-            if not inp.streams.audio:
-                return None
-            start = next((f.time for f in inp.decode(_video_stream(inp, src))), None) or 0.0
-        with av.open(local(src)) as inp:
-            ain = inp.streams.audio[0]
-            rate = ain.codec_context.sample_rate
-            if not rate:
-                raise VideoError(f"{src}: its audio states no sample rate")
-            layout = AUDIO_LAYOUTS.get(ain.codec_context.channels, "stereo")
-            convert = av.AudioResampler(format="fltp", layout=layout, rate=rate)  # the same rate: sample for sample
-            pcm = np.zeros((len(av.AudioLayout(layout).channels), round(seconds * rate)), np.float32)
-            for packet in inp.demux(ain):
-                try:
-                    frames = packet.decode()
-                except av.error.InvalidDataError:
-                    continue  # a damaged packet: silence there
-                for frame in frames:
-                    if frame.time is None:
-                        continue
-                    at = round((frame.time - start) * rate)
-                    for out in convert.resample(frame):
-                        data = out.to_ndarray()
-                        lo, hi = max(at, 0), min(at + data.shape[1], pcm.shape[1])
-                        if lo < hi:
-                            pcm[:, lo:hi] = data[:, lo - at:hi - at]
-                        at += data.shape[1]
-    except av.error.FFmpegError as e:
-        raise VideoError(f"{src}: its audio cannot be read ({_why(e)})") from None
-    if rate not in AAC_RATES:
-        rate, pcm = 48000, _resample(pcm, rate, 48000, layout)
-    return Sound(pcm, rate, layout)
-
-
-def _resample(pcm: np.ndarray, rate: int, to: int, layout: str) -> np.ndarray:
-    """``pcm`` at ``rate`` resampled to ``to``, as many samples as the same duration holds."""
-    import av
-
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm), format="fltp", layout=layout)
-    frame.sample_rate = rate
-    r = av.AudioResampler(format="fltp", layout=layout, rate=to)
-    out = np.concatenate([f.to_ndarray() for f in [*r.resample(frame), *r.resample(None)]], axis=1)
-    n = round(pcm.shape[1] * to / rate)
-    return np.pad(out, ((0, 0), (0, max(0, n - out.shape[1]))))[:, :n].astype(np.float32)
-
-
-def mux_pcm(out, stream, pcm: np.ndarray, done: int, upto: int, layout: str, rate: int) -> int:
-    """Encode ``pcm``'s samples from ``done`` to ``upto`` (whole AAC frames, and the rest at the
-    end of ``pcm``) into the AAC ``stream`` and mux them into ``out``: called as the video goes,
-    so that the file's audio and video interleave. Returns the samples done."""
-    import av
-
-    end = pcm.shape[1]
-    upto = end if upto >= end else upto - (upto - done) % AAC_FRAME
-    for i in range(done, upto, AAC_FRAME):
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, i:min(i + AAC_FRAME, upto)]), format="fltp",
-                                           layout=layout)
-        frame.sample_rate, frame.pts = rate, i
-        for packet in stream.encode(frame):
-            out.mux(packet)
-    return max(done, upto)
-
-
-def _why(e: Exception) -> str:
+def reason(e: Exception) -> str:
     """FFmpeg's reason without its errno and path: 'Invalid data found when processing input'."""
     if isinstance(e, IndexError):
         return "it has no video stream"
     return getattr(e, "strerror", None) or str(e)
 
 
-def _video_stream(container, path):
+def video_stream(container, path):
     """The first video stream that is a clip: not a still picture, not an audio file's cover art."""
     import av
 
@@ -194,7 +100,7 @@ def probe(path: str | Path) -> dict:
 
     try:
         with av.open(local(path)) as container:
-            stream = _video_stream(container, path)
+            stream = video_stream(container, path)
             frames = sum(1 for _ in container.demux(stream) if _.size)
             return {
                 "codec": stream.codec_context.name,
@@ -205,7 +111,7 @@ def probe(path: str | Path) -> dict:
                 "frames": frames,
             }
     except (av.error.FFmpegError, IndexError) as e:
-        raise VideoError(f"{path}: not a readable video ({_why(e)})") from e
+        raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
 
 
 def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
@@ -224,7 +130,7 @@ def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
 
     try:
         with av.open(local(path)) as container:
-            stream = _video_stream(container, path)
+            stream = video_stream(container, path)
             stream.thread_type = "AUTO"  # frame and slice threads
             stated = tuple(float(r) for r in (stream.guessed_rate, stream.average_rate) if r)
             fps = float(stream.average_rate or stream.guessed_rate or 0)
@@ -246,7 +152,7 @@ def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
                 times.append(f.time)
                 n += 1
     except (av.error.FFmpegError, IndexError) as e:
-        raise VideoError(f"{path}: not a readable video ({_why(e)})") from e
+        raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
     if n == 0:
         raise VideoError(f"{path}: the video stream has no frames")
     if n < min_frames:

@@ -11,6 +11,7 @@ from clipmill.pipeline.interpolate import interpolate, psnr
 from clipmill.pipeline.retime import output_count, retime_linear, source_times
 from clipmill.pipeline.synthetic import camera_move, photo
 from clipmill.pipeline.video import decode, encode_h264, probe
+from media import write_with_sound
 
 
 def pan120(n, speed=2.0, size=(320, 192), img="coffee"):
@@ -92,7 +93,7 @@ def test_the_sound_goes_where_its_own_times_say(tmp_path):
     import av
     from fractions import Fraction
 
-    from clipmill.pipeline.video import read_sound
+    from clipmill.pipeline.audio import read_sound
 
     path, rate = tmp_path / "gap.mkv", 4000
     with av.open(str(path), "w") as c:
@@ -157,3 +158,44 @@ def test_interpolate_carries_the_audio_in_step_with_the_picture(tmp_path):
     assert streams == ["video", "audio"] and abs(seconds - 1.0) < 0.05, (streams, seconds)
     assert abs(onset - src_onset) < 0.03 and abs(onset - 0.5) < 0.05, (onset, src_onset)
     assert len(decode(tmp_path / "out.mp4")[0]) == 59
+
+
+def _peak_hz(pcm: np.ndarray, rate: int, at: float) -> float:
+    seg = pcm[round(at * rate):round(at * rate) + 4096]
+    return float(np.fft.rfftfreq(len(seg), 1 / rate)[np.argmax(np.abs(np.fft.rfft(seg)))])
+
+
+def test_a_track_joined_from_two_rates_keeps_its_pitch(tmp_path):
+    """Two recordings joined byte for byte (MPEG-TS, as cut tools join them): 440 Hz at 44.1 kHz
+    for a second, then 880 Hz at 48 kHz. The one converter, set up for the first part, passed
+    the second through as if it were 44.1 kHz (880 Hz read about 790 Hz, and ran long); each
+    part now gets a converter of its own, and both land where their times say."""
+    from clipmill.pipeline.audio import read_sound
+
+    write_with_sound(tmp_path / "a.ts", 0, 44100, 440, container="mpegts")
+    write_with_sound(tmp_path / "b.ts", 1, 48000, 880, container="mpegts")
+    joined = tmp_path / "joined.ts"
+    joined.write_bytes((tmp_path / "a.ts").read_bytes() + (tmp_path / "b.ts").read_bytes())
+    sound = read_sound(joined, 2.0)
+    assert (sound.rate, sound.pcm.shape, sound.damaged) == (44100, (2, 88200), 0)
+    hz = [_peak_hz(sound.pcm[0], 44100, t) for t in (0.25, 0.75, 1.1, 1.75)]
+    assert all(abs(h - want) < 15 for h, want in zip(hz, (440, 440, 880, 880))), hz
+    loud = np.abs(sound.pcm[0]) > 0.1
+    assert loud[2000:42000].mean() > 0.5 and loud[46000:86000].mean() > 0.5
+
+
+def test_interpolate_says_what_it_did_with_a_damaged_track(tmp_path):
+    """Audio packets that do not decode: some are silent in DST and the command says how many;
+    none decoding is no sound (it wrote a silent track), said on stderr, with the video written."""
+    import av
+
+    for name, damage, note, streams in (
+            ("some.mp4", 0.3, "17 audio packets did not decode; DST's sound is silent there", ["video", "audio"]),
+            ("all.mkv", 1.0, "none of its 48 audio packets decodes; DST has the video only", ["video"])):
+        src, dst = tmp_path / name, tmp_path / f"out-{name.split('.')[0]}.mp4"
+        write_with_sound(src, 0, 48000, 440, damage=damage)
+        res = CliRunner().invoke(main, ["interpolate", str(src), str(dst), "--fps", "30"])
+        assert res.exit_code == 0, res.output
+        assert f"SRC {src}: {note}" in res.stderr.splitlines()
+        with av.open(str(dst)) as c:
+            assert [s.type for s in c.streams] == streams

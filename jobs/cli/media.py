@@ -181,7 +181,8 @@ def interpolate(src, dst, fps, bench, as_json):
 
     from clipmill.jobs.core.preflight import check_input_file
     from clipmill.pipeline.interpolate import interpolate as interp
-    from clipmill.pipeline.video import VideoError, decode, encode_h264, read_sound
+    from clipmill.pipeline.audio import read_sound
+    from clipmill.pipeline.video import VideoError, decode, encode_h264
 
     with domain_errors():
         check_input_file(src, "SRC")
@@ -209,6 +210,9 @@ def interpolate(src, dst, fps, bench, as_json):
             sound = read_sound(src, len(out_frames) / fps)
         except VideoError as e:
             err.print(f"SRC {e}; DST has the video only")
+        if sound is not None and sound.damaged:
+            err.print(f"SRC {src}: {sound.damaged} audio packet{'s' if sound.damaged != 1 else ''} did not decode; "
+                      "DST's sound is silent there")
     try:
         encode_h264(out_frames, fps, dst, sound=sound)
     except (OSError, av.error.FFmpegError) as e:  # a full disk, a folder gone or made read-only meanwhile
