@@ -11,6 +11,7 @@ are judged on their probe loss: the same loss on a fixed batch, timesteps and no
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -359,7 +360,6 @@ def test_the_student_can_be_distilled_again_from_a_shipped_teacher(trained, tmp_
 def test_an_unfinished_teacher_exported_and_seeded_resumes_at_its_step(trained, tmp_path):
     """A teacher killed mid-stage is exported from its last checkpoint (EMA weights, marked
     unfinished); seeding a new folder from it resumes the teacher stage at that step."""
-    import shutil
 
     from clipmill.pipeline.train.export import export_teacher
     from clipmill.pipeline.train.recipe import seed_from_teacher
@@ -802,7 +802,6 @@ def test_from_teacher_with_a_broken_or_incomplete_folder_is_one_line_naming_the_
     """Each was a traceback, an exit 3 "writing ... failed" about the folder read, or a bare
     "Expecting value: line 1 column 1" naming no file: a model_index.json, a component's config
     or a clipmill.json cut short, of the wrong shape, or without what the seeding reads."""
-    import shutil
 
     _, teacher = smoke
 
@@ -894,6 +893,24 @@ def test_a_second_run_on_a_checkpoint_folder_in_use_stops_at_once_naming_who_hol
     assert json.loads((ck / "vae" / "done").read_text())["step"] == 20
 
 
+def test_export_teacher_reads_a_folder_another_run_is_training_in(smoke, tmp_path):
+    """--export-teacher took the checkpoint folder's lock: it was refused (exit 3) while a run
+    trained there, and could not run on a folder it may not write (the lock is a file in it).
+    It only reads checkpoints, each written whole, so it now takes no lock; a training run on a
+    folder in use is still refused."""
+    from clipmill.jobs.cli.train import hold_checkpoints
+
+    ck, _ = smoke
+    mine = tmp_path / "ck"
+    shutil.copytree(ck, mine, ignore=shutil.ignore_patterns("pool", "train.lock"))
+    with hold_checkpoints(mine):  # as a train-model run on it does
+        r = _train("--ckpt", str(mine), "--export-teacher", "--out", str(tmp_path / "out"))
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / "out" / "teacher" / "model_index.json").exists()
+        r = _train("--ckpt", str(mine), "--stages", "decoder", "--no-export")
+        assert r.exit_code == 3 and "another train-model run holds this checkpoint folder" in r.output, r.output
+
+
 @pytest.mark.slow
 def test_a_stage_marker_is_written_whole_or_not_at_all_and_a_damaged_one_is_named(tmp_path):
     """A done marker was written in place: a disk that filled (here: a file size limit) or a
@@ -938,7 +955,6 @@ def test_from_teacher_seeds_the_folder_then_stages_picks_what_runs(smoke, tmp_pa
     --stages picks among the stages as without it: the seeded ones are done (skipped), and a
     stage whose inputs neither the folder nor the seeding has is refused before anything is
     written."""
-    import shutil
 
     ck, teacher = smoke
     a = tmp_path / "a"
@@ -978,7 +994,6 @@ def test_export_model_itself_refuses_to_replace_the_checkpoints_or_a_folder_of_o
     """The CLI refused such an --out, but export_model and export_teacher replaced whatever
     they were given: the checkpoint folder itself, or a folder of someone's files."""
     import re
-    import shutil
 
     from clipmill.pipeline.train.export import export_model, export_teacher
 

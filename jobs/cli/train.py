@@ -102,6 +102,7 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
     Each stage prints its progress and keeps a checkpoint under --ckpt; a killed run resumes
     from there when the same command is run again, and finished stages are skipped. One run at
     a time works a --ckpt folder (it holds CKPT/train.lock): a second one stops at once (exit 3).
+    --export-teacher only reads the folder: it runs beside a training run, and on a read-only copy.
 
     \b
     Example:
@@ -141,8 +142,10 @@ def train_model(ckpt, seed, threads, device, recipe, stages, out, no_export, fro
         click.echo(f"{time.strftime('%H:%M:%S')} {msg}", err=True)
 
     try:
-        # SIGTERM stops it as Ctrl-C does (exit 130); the checkpoint folder is this run's until it ends
-        with interruptible(), hold_checkpoints(root):
+        # SIGTERM stops it as Ctrl-C does (exit 130); the checkpoint folder is this run's until it ends.
+        # --export-teacher only reads checkpoints, each written whole (replacing): it takes no lock,
+        # so a teacher is exported while its run trains on, or from a folder it may not write to
+        with interruptible(), contextlib.nullcontext() if export_teacher else hold_checkpoints(root):
             log(f"training recipe {recipe!r}, seed {seed}, on {dev} ({threads} CPU thread(s)), checkpoints in {root}")
             if export_teacher:
                 verify_root(root, RECIPES[recipe].with_seed(seed))  # a smoke checkpoint is no shipped teacher
