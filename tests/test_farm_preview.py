@@ -179,6 +179,7 @@ def test_the_worker_side_of_a_farm_preview_refuses_ends_and_reports(broker, sqli
         with db.session() as s:
             row = s.get(PreviewSession, "s1")
             assert row.worker == "w:1" and row.frames == res["frames"] and row.ended_at is not None
+            assert row.started_at < row.seen_at <= row.ended_at  # marked seen as it streamed
 
         bad = Channel(r, "bad")
         bad.create(RED, 0, "/nowhere/model", 0.05)

@@ -158,6 +158,44 @@ def test_supervisor_counts_the_render_time_previews_took(db, tmp_path):
     assert sup.report()["preview_seconds"] == pytest.approx(300, abs=5)
 
 
+def test_a_preview_row_a_dead_worker_left_open_stops_counting_soon_after_it_was_last_seen(db):
+    """With no preview time limit (CLIPMILL_PREVIEW_MAX=0), a row whose worker died counted up to
+    "now" for ever: the nightly scheduler saw previews take a whole worker all night. A worker
+    marks its row seen every 10 s as it streams (jobs.review.preview.Seen); a row not seen for a
+    minute is counted up to then, with or without a time limit. A row from before the mark is
+    counted as before."""
+    from clipmill.jobs.core.models import PreviewSession
+    from clipmill.jobs.farm.nightly import SEEN_LOST_S, preview_seconds
+    from clipmill.jobs.review.preview import Seen, record_end, record_open
+
+    now = datetime.now(timezone.utc)
+    ago = lambda **kw: now - timedelta(**kw)  # noqa: E731
+    with db.session() as s, s.begin():
+        s.add(PreviewSession(id="live", model="m", mode="farm", worker="w:1", started_at=ago(minutes=20),
+                             seen_at=ago(seconds=5)))
+        s.add(PreviewSession(id="dead", model="m", mode="farm", worker="w:2", started_at=ago(hours=2),
+                             seen_at=ago(minutes=100)))  # streamed 20 min, then its worker died
+        s.add(PreviewSession(id="old", model="m", mode="farm", worker="w:3", started_at=ago(minutes=50)))
+    assert SEEN_LOST_S == 60
+    assert preview_seconds(db, ago(hours=3), now, 0) == pytest.approx(1200 + (1200 + 60) + 3000, abs=2)
+    assert preview_seconds(db, ago(hours=3), now, 600) == pytest.approx(600 + 600 + 600, abs=2)
+
+    record_open(db, "mine", "m", "embedded", worker="w:4")  # started and seen now
+    with db.session() as s:
+        first = s.get(PreviewSession, "mine").seen_at
+    assert first is not None
+    seen = Seen(db, "mine", every_s=3600)
+    seen()  # the first call marks it
+    seen()  # then not again within every_s
+    with db.session() as s:
+        marked = s.get(PreviewSession, "mine").seen_at
+    assert marked > first
+    record_end(db, "mine", 10, "the page closed")
+    Seen(db, "mine")()  # an ended row is left as it is
+    with db.session() as s:
+        assert s.get(PreviewSession, "mine").seen_at == marked
+
+
 @pytest.mark.slow
 def test_an_embedded_nightly_run_checks_with_the_qc_config_the_environment_names(sqlite_url, tmp_path):
     """Before, `nightly` without a broker built its worker with the default thresholds: with

@@ -180,6 +180,7 @@ def test_an_embedded_preview_ends_at_the_preview_time_limit_and_the_page_is_told
     assert row.ended == "its time on this review server is up (4 s, CLIPMILL_PREVIEW_MAX); press Stream to start again"
     took = (row.ended_at - row.started_at).total_seconds()
     assert 4.0 <= took < 10.0, took
+    assert row.started_at < row.seen_at <= row.ended_at  # marked seen as it streamed
 
 
 def _get(url: str, headers: dict) -> tuple[int, str]:

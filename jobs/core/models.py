@@ -213,6 +213,9 @@ class AdDecision(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+PREVIEW_SEEN_EVERY_S = 10.0  # a streaming preview's row is marked seen (seen_at) this often
+
+
 class PreviewSession(Base):
     """One streaming preview: the render time it took (started to ended, on ``worker``) is what
     the nightly scheduler counts as taken from the render workers (jobs.farm.nightly)."""
@@ -226,5 +229,8 @@ class PreviewSession(Base):
     requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True, index=True)
     ended_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # when its worker last showed it streaming (renewed every PREVIEW_SEEN_EVERY_S): a row a dead worker
+    # left open counts up to shortly after this (jobs.farm.nightly.preview_seconds)
+    seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     frames: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     ended: Mapped[str | None] = mapped_column(String(200), nullable=True)  # why: closed, time limit, error

@@ -27,13 +27,14 @@ from sqlalchemy import func, or_, select, text, update
 
 from clipmill.jobs.core.db import Database, sqlite_file
 from clipmill.jobs.core.locks import exclusive_lock
-from clipmill.jobs.core.models import Attempt, Job, PreviewSession
+from clipmill.jobs.core.models import PREVIEW_SEEN_EVERY_S, Attempt, Job, PreviewSession
 from clipmill.jobs.core.states import JobState
 from clipmill.jobs.farm.dispatch import BrokerDown, reconcile
 from clipmill.jobs.farm.scheduler import Decision, SchedulerConfig, TierScheduler
 
 log = logging.getLogger("clipmill.nightly")
 OPEN = (JobState.QUEUED.value, JobState.RENDERING.value, JobState.POST.value)
+SEEN_LOST_S = 6 * PREVIEW_SEEN_EVERY_S  # an open preview row not marked seen for this long: its worker died
 PREVIEW_WINDOW_S = 1800.0  # the previews' recent share of the workers is measured over this
 
 
@@ -43,17 +44,24 @@ def _aware(t: datetime) -> datetime:
 
 def preview_seconds(db: Database, since: datetime, until: datetime, max_s: float = 900.0) -> float:
     """Seconds of render time previews took between ``since`` and ``until``: each session from
-    its start to its end, a session still open up to ``until`` (but never more than ``max_s``
-    after its start, the preview time limit: a row whose worker died is not counted forever).
-    A row never started (no worker took it: its page went while it waited) counts nothing."""
+    its start to its end, a session still open up to ``until``, but never more than ``max_s``
+    after its start (the preview time limit; 0: none) nor ``SEEN_LOST_S`` after its worker last
+    marked it streaming (``seen_at``): a row whose worker died is not counted on, with or without
+    a time limit. A row never started (no worker took it: its page went while it waited) counts
+    nothing."""
     with db.session() as s:
-        rows = s.execute(select(PreviewSession.started_at, PreviewSession.ended_at).where(
+        rows = s.execute(select(PreviewSession.started_at, PreviewSession.ended_at, PreviewSession.seen_at).where(
             PreviewSession.started_at.is_not(None), PreviewSession.started_at < until,
             or_(PreviewSession.ended_at.is_(None), PreviewSession.ended_at > since))).all()
     total = 0.0
-    for started, ended in rows:
+    for started, ended, seen in rows:
         started = _aware(started)
-        end = _aware(ended) if ended is not None else min(until, started + timedelta(seconds=max_s or 1e9))
+        if ended is not None:
+            end = _aware(ended)
+        else:
+            end = started + timedelta(seconds=max_s) if max_s else until
+            if seen is not None:
+                end = min(end, _aware(seen) + timedelta(seconds=SEEN_LOST_S))
         total += max(0.0, (min(end, until) - max(started, since)).total_seconds())
     return total
 

@@ -42,8 +42,8 @@ from redis.exceptions import RedisError
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.farm.app import app
 from clipmill.jobs.farm.dispatch import BrokerDown, send_render
-from clipmill.jobs.review.preview import (PreviewError, SessionTable, check_prompt, check_seed, jpeg, new_id, new_session,
-                                          payload, queue_once, record_end, record_open, record_start,
+from clipmill.jobs.review.preview import (PreviewError, Seen, SessionTable, check_prompt, check_seed, jpeg, new_id,
+                                          new_session, payload, queue_once, record_end, record_open, record_start,
                                           record_unserved)
 from clipmill.pipeline.pacing import Pacer
 
@@ -185,10 +185,11 @@ def _stream(ctx, ch: Channel, spec: dict, worker: str, max_s: float) -> tuple[in
     with renderer.using(opts):
         session = new_session(renderer, spec["prompt"], int(spec["seed"]), budget, ch.sid)
         prompt, why = spec["prompt"], "the page closed"
-        t0, pacer = time.perf_counter(), Pacer(budget)
+        t0, pacer, seen = time.perf_counter(), Pacer(budget), Seen(ctx.db, ch.sid)
         try:  # from the first write on: a failing one still closes the session (its thread and hooks)
             ch.streaming()
             while True:
+                seen()  # its row's seen_at: a worker that dies stops counting as preview time soon after
                 alive, asked = ch.poll()
                 if not alive:
                     break

@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import csv
 import io
+import logging
 import queue
 import secrets
 import tempfile
@@ -28,17 +29,21 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from sqlalchemy import update
+from sqlalchemy.exc import SQLAlchemyError
 
 from clipmill.jobs.core.batches import SubmitOptions, submit
 from clipmill.jobs.core.prompts import MAX_SEED
 from clipmill.jobs.core.db import Database
-from clipmill.jobs.core.models import PreviewSession, utcnow
+from clipmill.jobs.core.models import PREVIEW_SEEN_EVERY_S, PreviewSession, utcnow
 from clipmill.jobs.core.queue import worker_name
 from clipmill.pipeline.adaptive import AdaptiveConfig, FrameScheduler, PreviewTier
 from clipmill.pipeline.stream import StreamBatch
 
 # the preview's quality tiers for a 64 x 64 model (it draws well at its own size only): the
 # steps each frame gets, and the batch tier "queue this" asks for
+log = logging.getLogger("clipmill.preview")
+
 PREVIEW_TIERS = (PreviewTier("quality", 64, 4, 8), PreviewTier("fast", 64, 2, 4), PreviewTier("draft", 64, 1, 2))
 BATCH_TIER = {"quality": "quality", "fast": "fast", "draft": "fast"}
 MAX_PROMPT = 500
@@ -60,6 +65,7 @@ class Session:
     ended: str | None = None  # why it ended, when not at its own page's request (the page is told)
     queued: dict | None = None  # what "Queue this" made of it (queue_once)
     max_s: float = 0.0  # it ends itself after this long (0: no limit; farm workers keep their own)
+    seen: Callable[[], None] | None = None  # called as it streams (Seen: its row's seen_at)
     lock: threading.Lock = field(default_factory=threading.Lock)
     queue_lock: threading.Lock = field(default_factory=threading.Lock)  # apart: a submit never holds up a frame
 
@@ -104,6 +110,8 @@ class Session:
                                             "CLIPMILL_PREVIEW_MAX); press Stream to start again")
                 self.close()  # the page's stream sees it closed and says why (Session.ended)
                 return
+            if self.seen is not None:
+                self.seen()
             try:
                 frames, info = self.step()
             except Exception as e:  # noqa: BLE001 - the page is told, the session ends
@@ -220,6 +228,7 @@ class Previews(SessionTable):
             self.sessions[session.id] = session
             if self.db is not None:
                 record_open(self.db, session.id, self.model, "embedded", worker=worker_name())
+                session.seen = Seen(self.db, session.id)
             return session
 
     def _end(self, s: Session, why: str) -> None:
@@ -266,8 +275,9 @@ def payload(index: int, prompt: str, jpeg_bytes: bytes, info: dict) -> dict:
 
 def record_open(db: Database, sid: str, model: str, mode: str, worker: str | None = None) -> None:
     """A preview asked for; with ``worker``, started there now."""
+    now = utcnow() if worker else None
     with db.session() as s, s.begin():
-        s.add(PreviewSession(id=sid, model=model, mode=mode, worker=worker, started_at=utcnow() if worker else None))
+        s.add(PreviewSession(id=sid, model=model, mode=mode, worker=worker, started_at=now, seen_at=now))
 
 
 def record_start(db: Database, sid: str, worker: str) -> None:
@@ -275,6 +285,29 @@ def record_start(db: Database, sid: str, worker: str) -> None:
         row = s.get(PreviewSession, sid)
         if row is not None:
             row.worker, row.started_at = worker, utcnow()
+            row.seen_at = row.started_at
+
+
+class Seen:
+    """Marks a streaming preview's row seen (``seen_at``) at most every ``PREVIEW_SEEN_EVERY_S``: call
+    it as the stream goes. A row whose worker died stops being renewed, and the nightly
+    scheduler stops counting it soon after (``jobs.farm.nightly.preview_seconds``). A database
+    that cannot be reached is logged, not raised: the page's stream goes on."""
+
+    def __init__(self, db: Database | None, sid: str, every_s: float = PREVIEW_SEEN_EVERY_S):
+        self.db, self.sid, self.every_s = db, sid, every_s
+        self.last: float | None = None  # the first call marks it (a model may have loaded since the start)
+
+    def __call__(self) -> None:
+        if self.db is None or self.last is not None and time.monotonic() - self.last < self.every_s:
+            return
+        self.last = time.monotonic()
+        try:
+            with self.db.session() as s, s.begin():
+                s.execute(update(PreviewSession).where(PreviewSession.id == self.sid,
+                                                       PreviewSession.ended_at.is_(None)).values(seen_at=utcnow()))
+        except SQLAlchemyError as e:
+            log.warning("preview %s: could not mark its row seen (%s)", self.sid, e)
 
 
 def record_end(db: Database, sid: str, frames: int, why: str) -> None:
