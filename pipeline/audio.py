@@ -14,13 +14,15 @@ from typing import Iterator
 
 import numpy as np
 
-from .video import VideoError, local, reason, video_stream
+from .video import local, reason, video_stream
 
 RATE = 48000
 CHANNELS = 2
 AAC, AAC_BITRATE = "aac", 192_000
 AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 AAC_FRAME = 1024  # samples per AAC frame
+FOLLOW_ON_S = 0.005  # an audio frame stated this close after the one before ends follows on (MKV's ms times)
+MAX_SAMPLE = 16.0  # float PCM beyond +-16 (+24 dBFS) is damage, not sound
 LAYOUTS = {1: "mono", 2: "stereo"}  # a clip's sound keeps mono or stereo; more channels are mixed down to stereo
 
 
@@ -31,8 +33,8 @@ class AudioError(ValueError):
 @dataclass
 class Sound:
     """A clip's sound: float32 PCM (channels, samples) at ``rate``, channel ``layout``; sample 0
-    plays with the first frame. ``damaged``: packets of the source that did not decode (silent
-    here)."""
+    plays with the first frame. ``damaged``: packets of the source that did not decode, or
+    decoded to samples that are not sound (silent here)."""
 
     pcm: np.ndarray
     rate: int
@@ -78,33 +80,54 @@ class AacWriter:
         self.done = max(self.done, upto)
 
 
-def _decoded(container, stream, layout: str, rate: int) -> Iterator[tuple[float | None, np.ndarray | None]]:
-    """(time, PCM) for each decoded piece of ``stream``, converted to float32 ``layout`` at
-    ``rate``: the time (seconds) of the source frame it starts, None where it follows on from
-    the piece before. A packet that does not decode gives (its time or None, None). A frame
-    whose sample format, channels or rate differ from the one before (a track joined from two
-    recordings) gets a converter of its own: one converter refuses it."""
+def _check_decoder(stream, path) -> None:
+    """``AudioError`` when this FFmpeg has no decoder for ``stream``'s codec (PyAV gives it no
+    codec context)."""
+    if stream.codec_context is None:
+        raise AudioError(f"{path}: its audio's codec cannot be decoded here (this FFmpeg has no decoder for it)")
+
+
+def _decoded(container, stream, layout: str, rate: int) -> Iterator[tuple[float | None, np.ndarray | None, bool]]:
+    """(time, PCM, damaged) for each decoded piece of ``stream``, converted to float32 ``layout``
+    at ``rate``: the time (seconds) of the source frame it starts, None where it follows on from
+    the piece before.
+
+    - A packet the decoder refuses (FFmpeg answers damaged bytes with several errors: invalid
+      data, EPERM from AAC, "patches welcome" from ALAC) gives (its time or None, None, True).
+    - A piece with samples that are not finite or beyond +-``MAX_SAMPLE`` (float PCM has no
+      checksum: damaged bytes decode to NaN or 1e30, which the AAC encoder refuses) comes
+      silenced, with damaged True.
+    - A frame whose sample format, channels or rate differ from the one before (a track joined
+      from two recordings) gets a converter of its own: one converter refuses it, or passed
+      it through at the first part's rate.
+    """
     import av
+
+    def piece(time, out) -> tuple[float | None, np.ndarray, bool]:
+        pcm = out.to_ndarray()
+        if np.all(np.abs(pcm) <= MAX_SAMPLE):  # False for NaN too
+            return time, pcm, False
+        return time, np.zeros_like(pcm), True
 
     convert, made = None, None
     for packet in container.demux(stream):
         try:
             frames = packet.decode()
-        except av.error.InvalidDataError:
-            yield (float(packet.pts * packet.time_base) if packet.pts is not None else None), None
+        except av.error.FFmpegError:
+            yield (float(packet.pts * packet.time_base) if packet.pts is not None else None), None, True
             continue
         for frame in frames:
             kind = (frame.format.name, frame.layout.name, frame.sample_rate)
             if kind != made:
                 if convert is not None:
                     for out in convert.resample(None):
-                        yield None, out.to_ndarray()
+                        yield piece(None, out)
                 convert, made = av.AudioResampler(format="fltp", layout=layout, rate=rate), kind
             for i, out in enumerate(convert.resample(frame)):
-                yield (frame.time if i == 0 else None), out.to_ndarray()
+                yield piece(frame.time if i == 0 else None, out)
     if convert is not None:
         for out in convert.resample(None):
-            yield None, out.to_ndarray()
+            yield piece(None, out)
 
 
 def load(path: str | Path, rate: int = RATE) -> np.ndarray:
@@ -116,12 +139,13 @@ def load(path: str | Path, rate: int = RATE) -> np.ndarray:
     try:
         with av.open(local(path)) as container:
             stream = container.streams.audio[0]
+            _check_decoder(stream, path)
             chunks = []
-            for time, pcm in _decoded(container, stream, "stereo", rate):
-                if pcm is None:
+            for time, pcm, damaged in _decoded(container, stream, "stereo", rate):
+                if damaged:
                     at = f"at {max(time, 0.0):.3f} s" if time is not None else "in a packet"
-                    raise AudioError(f"{path}: the audio is damaged {at} (a packet does not decode); "
-                                     "re-export or re-encode it")
+                    what = "a packet does not decode" if pcm is None else "samples that are not sound: NaN or huge"
+                    raise AudioError(f"{path}: the audio is damaged {at} ({what}); re-export or re-encode it")
                 chunks.append(pcm)
     except IndexError:
         raise AudioError(f"{path}: it has no audio stream") from None
@@ -137,8 +161,9 @@ def read_sound(src: str | Path, seconds: float) -> Sound | None:
     (where its decoded frames start): each audio frame placed by its own time, silence where the
     track has none (a gap, a late start, a packet that does not decode), what lies before or
     after cut off. At its own rate when AAC holds it, else 48 kHz; mono or stereo (more
-    channels are mixed down). None when ``src`` has no audio; ``VideoError`` when the track
-    cannot be read at all, or none of its packets decodes."""
+    channels are mixed down). None when ``src`` has no audio; ``AudioError`` when the track
+    cannot be read at all, or none of its packets decodes. A frame whose time lies within
+    ``FOLLOW_ON_S`` after the end of the one before, or before it, follows on from it."""
     import av
 
     try:
@@ -148,26 +173,34 @@ def read_sound(src: str | Path, seconds: float) -> Sound | None:
             start = next((f.time for f in inp.decode(video_stream(inp, src))), None) or 0.0
         with av.open(local(src)) as inp:
             ain = inp.streams.audio[0]
+            _check_decoder(ain, src)
             rate = ain.codec_context.sample_rate
             if not rate:
-                raise VideoError(f"{src}: its audio states no sample rate")
+                raise AudioError(f"{src}: its audio states no sample rate")
             layout = LAYOUTS.get(ain.codec_context.channels, "stereo")
             pcm = np.zeros((len(av.AudioLayout(layout).channels), round(seconds * rate)), np.float32)
-            damaged, decoded, at = 0, 0, 0
-            for time, data in _decoded(inp, ain, layout, rate):
+            damaged, decoded, at = 0, 0, None
+            for time, data, bad in _decoded(inp, ain, layout, rate):
+                damaged += bad
                 if data is None:
-                    damaged += 1
                     continue
-                if time is not None:  # a source frame's first piece; the rest follows on
-                    at = round((time - start) * rate)
+                if time is not None or at is None:  # a source frame's first piece; the rest follows on
+                    stated = round((time - start) * rate) if time is not None else 0  # no times: end to end
+                    # the first frame, or a gap: silence up to where its time says. A frame stated
+                    # within FOLLOW_ON_S of where the one before ended (a container's times rounded
+                    # to the millisecond), or before it (segments joined byte for byte whose times
+                    # start again, as decode() reads their pictures in stored order), follows on.
+                    if at is None or stated - at > FOLLOW_ON_S * rate:
+                        at = stated
+                decoded += not bad
                 lo, hi = max(at, 0), min(at + data.shape[1], pcm.shape[1])
                 if lo < hi:
                     pcm[:, lo:hi] = data[:, lo - at:hi - at]
-                at, decoded = at + data.shape[1], decoded + data.shape[1]
+                at += data.shape[1]
     except av.error.FFmpegError as e:
-        raise VideoError(f"{src}: its audio cannot be read ({reason(e)})") from None
+        raise AudioError(f"{src}: its audio cannot be read ({reason(e)})") from None
     if not decoded and damaged:
-        raise VideoError(f"{src}: none of its {damaged} audio packets decodes")
+        raise AudioError(f"{src}: none of its {damaged} audio packets decodes")
     if rate not in AAC_RATES:
         rate, pcm = 48000, _resample(pcm, rate, 48000, layout)
     return Sound(pcm, rate, layout, damaged)

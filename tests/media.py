@@ -38,12 +38,13 @@ def write_video(path, frames: Iterable[np.ndarray], rate: int = 24, codec: str =
 
 
 def write_with_sound(path, start: float, rate: int, hz: float, seconds: float = 1.0, side: int = 64, fps: int = 24,
-                     container: str | None = None, damage: float = 0.0, seed: int = 0) -> None:
+                     container: str | None = None, damage: float = 0.0, seed: int = 0,
+                     replace: dict[int, bytes] | None = None) -> None:
     """A clip of black frames from ``start`` for ``seconds`` (timestamps from ``start``: two
     MPEG-TS files written so and joined byte for byte are one clip, as a cut tool joins them)
     with a stereo AAC track at ``rate``: a sine of ``hz`` at 0.3 over the same time. ``damage``:
     the share of the audio packets whose bytes are replaced by random ones (drawn from
-    ``seed``), as in a damaged copy."""
+    ``seed``), as in a damaged copy; ``replace``: audio packet number -> the bytes it gets instead."""
     import av
 
     rng = np.random.default_rng(seed)
@@ -65,7 +66,12 @@ def write_with_sound(path, start: float, rate: int, hz: float, seconds: float = 
             af = av.AudioFrame.from_ndarray(np.stack([x[i:i + 1024]] * 2), format="fltp", layout="stereo")
             af.sample_rate, af.pts, af.time_base = rate, round(start * rate) + i, Fraction(1, rate)
             frames.append(af)
-        for packet in [p for af in [*frames, None] for p in a.encode(af)]:
+        for k, packet in enumerate([p for af in [*frames, None] for p in a.encode(af)]):
             if rng.random() < damage:
                 packet.update(bytes(rng.integers(0, 256, packet.size, dtype=np.uint8)))
+            if replace and k in replace:
+                other = av.Packet(replace[k])
+                other.pts, other.dts, other.time_base, other.duration = (packet.pts, packet.dts, packet.time_base,
+                                                                         packet.duration)
+                other.stream, packet = a, other
             c.mux(packet)

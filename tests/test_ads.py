@@ -221,6 +221,41 @@ def test_a_missing_column_and_a_missing_font_are_row_errors(tmp_path, info):
     assert [str(e) for e in batch.errors] == [f"{csv}:2: font of text price: {str(font)!r} no such file ({font})"]
 
 
+def test_a_music_file_that_would_fail_the_build_is_a_row_error(tmp_path, info):
+    """Music is read at submit as the build reads it (pipeline.audio.load): float PCM with a NaN
+    sample (a damaged WAV: the AAC encoder refuses it, and the build failed with FFmpeg's
+    "Invalid argument") and a file with no audio are refused on their row, naming the file,
+    where and why; a good one passes."""
+    import av
+
+    p = _write(tmp_path, MINIMAL + """
+    [music]
+    file = "music/{colour}.wav"
+    """)
+    (tmp_path / "music").mkdir()
+    for name, poison in (("red", False), ("blue", True)):
+        tone = audio.tone(1.0)
+        if poison:
+            tone[:, 30000] = np.nan  # at 0.625 s
+        with av.open(str(tmp_path / "music" / f"{name}.wav"), "w") as c:
+            a = c.add_stream("pcm_f32le", rate=audio.RATE, layout="stereo")
+            f = av.AudioFrame.from_ndarray(np.ascontiguousarray(tone.T.reshape(1, -1)), format="flt", layout="stereo")
+            f.sample_rate = audio.RATE
+            for packet in [*a.encode(f), *a.encode()]:
+                c.mux(packet)
+    (tmp_path / "music" / "green.wav").write_text("not sound")
+    csv = tmp_path / "ads.csv"
+    csv.write_text("colour\nred\nblue\ngreen\n", encoding="utf-8")
+    batch = rows.read_ads(csv, template.load(p), info, _count)
+    blue, green = tmp_path / "music" / "blue.wav", tmp_path / "music" / "green.wav"
+    assert [a.line for a in batch.ads] == [2]
+    msgs = [str(e) for e in batch.errors]
+    assert msgs[0] == (f"{csv}:3: music: {str(blue)!r} the audio is damaged at 0.597 s (samples that are not sound: NaN "
+                       f"or huge); re-export or re-encode it ({blue})"), msgs
+    assert msgs[1].startswith(f"{csv}:4: music: {str(green)!r} not a readable audio file ("), msgs
+    assert len(msgs) == 2
+
+
 # -- assembly -----------------------------------------------------------------------------------
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from clipmill.jobs.core.cleaning import normalize
 from clipmill.jobs.core.prompts import (MAX_SEED, FileProblem, Problem, PromptRow, RowChecker, TokenCounter,
                                         derive_seed, read_id, read_records, read_seed)
+from clipmill.pipeline import audio
 from clipmill.pipeline.models import ModelInfo
 from clipmill.pipeline.overlay import TextStyle, box, fit_px, missing_glyphs
-from clipmill.pipeline.video import local
 
 from .template import AdTemplate, Format, TextSpec, fill
 
@@ -126,14 +126,11 @@ def _check_file(path: Path, kind: str) -> str | None:
 
             ImageFont.truetype(str(path), size=12, index=0)
             missing_glyphs(path, "a")  # the glyph check reads the font's tables too (fontTools)
-        elif kind == "music":
-            import av
-
-            with av.open(local(path)) as c:
-                if not c.streams.audio:
-                    return f"has no audio stream ({path})"
-                if not any(f.samples for f in c.decode(c.streams.audio[0])):
-                    return f"has an audio stream with no samples ({path})"
+        elif kind == "music":  # read as the ad is built: damaged packets and NaN samples are refused here
+            try:
+                audio.load(path)
+            except audio.AudioError as e:
+                return f"{str(e).removeprefix(f'{path}: ')} ({path})"
     except Exception as e:  # noqa: BLE001 - Pillow, FreeType and FFmpeg raise their own kinds
         return f"cannot be read as a {kind} file ({path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     return None

@@ -181,7 +181,7 @@ def interpolate(src, dst, fps, bench, as_json):
 
     from clipmill.jobs.core.preflight import check_input_file
     from clipmill.pipeline.interpolate import interpolate as interp
-    from clipmill.pipeline.audio import read_sound
+    from clipmill.pipeline.audio import AudioError, read_sound
     from clipmill.pipeline.video import VideoError, decode, encode_h264
 
     with domain_errors():
@@ -208,11 +208,11 @@ def interpolate(src, dst, fps, bench, as_json):
     if seekable:
         try:
             sound = read_sound(src, len(out_frames) / fps)
-        except VideoError as e:
+        except (AudioError, VideoError) as e:
             err.print(f"SRC {e}; DST has the video only")
         if sound is not None and sound.damaged:
-            err.print(f"SRC {src}: {sound.damaged} audio packet{'s' if sound.damaged != 1 else ''} did not decode; "
-                      "DST's sound is silent there")
+            err.print(f"SRC {src}: {sound.damaged} damaged audio packet{'s' if sound.damaged != 1 else ''} (not "
+                      "decodable, or not sound); DST's sound is silent there")
     try:
         encode_h264(out_frames, fps, dst, sound=sound)
     except (OSError, av.error.FFmpegError) as e:  # a full disk, a folder gone or made read-only meanwhile
