@@ -114,6 +114,27 @@ def probe(path: str | Path) -> dict:
         raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
 
 
+def stated_size(path: str | Path) -> tuple[int, int, int] | None:
+    """(frames, height, width) of the first video stream as its container states them, read
+    from the header without decoding: the stated frame count, else the duration times the
+    rate (what :func:`decode` makes of a variable-rate file); None when it states neither.
+    ``VideoError`` when it is not a readable video."""
+    import av
+
+    try:
+        with av.open(local(path)) as container:
+            stream = video_stream(container, path)
+            w, h = stream.codec_context.width, stream.codec_context.height
+            n = stream.frames
+            if not n and stream.duration is not None and stream.time_base is not None:
+                n = round(float(stream.duration * stream.time_base) * float(stream.average_rate or stream.guessed_rate or 0))
+            elif not n and container.duration:  # the container's duration (AV_TIME_BASE, microseconds)
+                n = round(container.duration / 1e6 * float(stream.average_rate or stream.guessed_rate or 0))
+    except (av.error.FFmpegError, IndexError) as e:
+        raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
+    return (n, h, w) if n and w and h else None
+
+
 def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:
     """All frames of the first video stream as (F, H, W, 3) uint8 RGB, as a viewer sees them, and
     the frame rate.

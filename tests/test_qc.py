@@ -394,6 +394,32 @@ def test_a_clip_too_long_for_memory_is_that_files_error_and_the_others_are_check
     ]
 
 
+def test_a_clip_that_needs_more_memory_than_there_is_is_refused_before_it_is_decoded(tmp_path):
+    """A clip that fits the address space but not the memory was decoded until the kernel's OOM
+    killer ended the whole run, every file after it unchecked. QC now reads the frames a file
+    states (its header, no decoding) and refuses one that needs more than --max-memory, or than
+    the host (or its container) has available: one error line, the next file still checked."""
+    from clipmill.jobs.core.preflight import available_memory
+
+    encode_h264(pan(n=24), 24, tmp_path / "short.mp4")
+    _flat_h264(tmp_path / "long.mp4", 300, 640, 360)
+    res = CliRunner().invoke(main, ["qc", str(tmp_path / "long.mp4"), str(tmp_path / "short.mp4"),
+                                    "--max-memory", "200MB"])
+    assert res.exit_code == 2, res.output
+    assert res.stdout.splitlines() == [f"pass {tmp_path / 'short.mp4'}"]
+    assert res.stderr.splitlines()[:2] == [
+        f"error: {tmp_path / 'long.mp4'}: 300 frames of 640x360 need about 0.86 GB (QC holds the whole clip in "
+        "memory), more than the 0.20 GB --max-memory allows; check a shorter cut, or raise --max-memory",
+        "1 of 2 file(s) could not be read or checked"]
+    assert CliRunner().invoke(main, ["qc", str(tmp_path / "long.mp4"), "--max-memory", "1GiB"]).exit_code == 0
+    res = CliRunner().invoke(main, ["qc", str(tmp_path / "long.mp4"), "--max-memory", "lots"])
+    assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
+        "Error: --max-memory 'lots': not a size; give a number and a unit (b, kb, mb, gb, tb, kib, mib, gib, tib), "
+        "for example 500MB or 2GiB")
+    total = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < available_memory() <= total  # the default: what there is now
+
+
 def test_a_strip_too_thin_once_shrunk_is_told_which_max_side_measures_it(tmp_path):
     """A 1280x40 strip is 320x10 at the working size, under QC's 32 px: the error said so but
     not that --set max_side=1280 measures it. It says so now, where a max_side would do (a

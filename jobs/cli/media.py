@@ -21,15 +21,20 @@ from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, BadInput, FiniteRange, Set
 @click.option("--sheet", is_flag=True, help="Write a contact sheet PNG (frames and metric curves) beside each file, "
               "whole or not at all (with --json a failure is the record's 'sheet_error').")
 @click.option("--bench", is_flag=True, help="Measure QC instead: confusion table on the synthetic labelled set, and 720p speed.")
+@click.option("--max-memory", metavar="SIZE", default=None,
+              help="QC holds a whole clip in memory: a file whose frames need more than SIZE (500MB, 2GiB) is refused "
+                   "before it is decoded [default: what this host, or its container, has available when the file is "
+                   "reached].")
 @qc_config_options
-def qc(files, as_json, explain, sheet, bench, qc_cfg):
+def qc(files, as_json, explain, sheet, bench, max_memory, qc_cfg):
     """Check video FILES for broken clips: flicker, garbage or block-corrupted frames, black or
     flat frames, frozen stretches, cuts, over-exposure, boiling texture, a line along the frame's
     edges (a decoder's artefact), collapse into blur.
 
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
     A file that cannot be read or checked (missing, a folder, not a video, frames too small to
-    measure, a clip too long for memory: QC holds the whole clip) gets an error line naming it
+    measure, a clip too long for memory: QC holds the whole clip, so a file whose stated frames
+    need more than --max-memory is refused before it is decoded) gets an error line naming it
     and why, never a verdict; the other files are still checked, and the exit code is 2 (as it
     is when a --sheet cannot be written: an error line after that file's verdict). Exits 0 when
     every file was read and checked, whatever the verdicts.
@@ -45,21 +50,24 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
         return
     if not files:
         raise click.UsageError("give one or more FILES, or --bench")
-    from clipmill.jobs.core.preflight import BadOption, check_input_file
+    from clipmill.jobs.core.preflight import BadOption, check_input_file, parse_memory
     from clipmill.pipeline.video import VideoError, decode
     from clipmill.qc import check_frames_with_series
     from clipmill.qc.check import FrameTooSmall
     from clipmill.qc.report import contact_sheet, explain_lines
     from clipmill.storage.local import write_atomic
 
+    with domain_errors():
+        limit = parse_memory(max_memory, "--max-memory") if max_memory is not None else None
     unreadable = unwritten = 0
     for f in files:
         frames = series = None  # the last file's frames are let go before this one's are decoded
         try:
-            check_input_file(f)
+            if check_input_file(f).is_file():  # a pipe is read once: by decode
+                _check_memory(f, limit, qc_cfg.max_side)
             frames, fps = decode(f, min_frames=2)  # QC compares frames
             res, series = check_frames_with_series(frames, fps, qc_cfg)
-        except (BadOption, VideoError, FrameTooSmall, MemoryError) as e:
+        except (BadOption, VideoError, FrameTooSmall, TooBig, MemoryError) as e:
             unreadable += 1
             if isinstance(e, MemoryError):  # that file's error: the files after it may fit
                 shape = frames.shape[:3] if frames is not None else None
@@ -100,6 +108,32 @@ def qc(files, as_json, explain, sheet, bench, qc_cfg):
             f"{unreadable} of {len(files)} file(s) could not be read or checked" if unreadable else "",
             f"{unwritten} contact sheet(s) could not be written" if unwritten else "") if part), highlight=False)
         sys.exit(EXIT_BAD_INPUT)
+
+
+class TooBig(ValueError):
+    """A clip whose frames need more memory than QC may take."""
+
+
+def _check_memory(path: str, limit: int | None, max_side: int) -> None:
+    """TooBig when ``path``'s frames, as its header states them, need more than ``limit`` bytes
+    (None: what the host has available now): refused before decoding, since a clip that fits
+    the address space but not the memory is not a MemoryError but the kernel's OOM killer,
+    which ends the whole run (every file after it unchecked)."""
+    from clipmill.jobs.core.preflight import available_memory
+    from clipmill.pipeline.video import stated_size
+    from clipmill.qc.check import memory_needed
+
+    shape = stated_size(path)
+    room = limit if limit is not None else available_memory()
+    if shape is None or room is None:
+        return
+    n, h, w = shape
+    need = memory_needed(n, h, w, max_side)[0]
+    if need > room:
+        where = "--max-memory allows" if limit is not None else "this host has available now"
+        raise TooBig(f"{n} frames of {w}x{h} need about {need / 1e9:.2f} GB (QC holds the whole clip in memory), "
+                     f"more than the {room / 1e9:.2f} GB {where}; check a shorter cut"
+                     + (", or raise --max-memory" if limit is not None else ""))
 
 
 def _out_of_memory(path: str, shape: tuple[int, int, int] | None, max_side: int) -> str:

@@ -207,3 +207,60 @@ def check_input_file(path: str | os.PathLike, what: str = "") -> Path:
     except OSError as e:
         raise BadOption(f"{label}: cannot be read ({e.strerror or e})")
     return p
+
+
+MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(text: str, option: str) -> int:
+    """``500MB``, ``2GiB``, ``1.5GB`` as bytes; BadOption naming ``option`` otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", text)
+    if not m or m.group(2).lower() not in MEMORY_UNITS:
+        raise BadOption(f"{option} {text!r}: not a size; give a number and a unit ({', '.join(MEMORY_UNITS)}), "
+                        "for example 500MB or 2GiB")
+    n = int(float(m.group(1)) * MEMORY_UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise BadOption(f"{option} {text!r}: must be more than 0 bytes")
+    return n
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still take without the kernel swapping or killing it: the host's
+    ``MemAvailable``, and in a container the room left under its cgroup's memory limit (v2
+    ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes`` less
+    ``memory.usage_in_bytes``); None where neither is known (not Linux)."""
+    known = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                known.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        own = []
+    for line in own:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            pairs = [("memory.max", "memory.current")]
+            roots = [Path("/sys/fs/cgroup") / path.lstrip("/"), Path("/sys/fs/cgroup")]
+        elif "memory" in controllers.split(","):  # v1
+            pairs = [("memory.limit_in_bytes", "memory.usage_in_bytes")]
+            roots = [Path("/sys/fs/cgroup/memory") / path.lstrip("/"), Path("/sys/fs/cgroup/memory")]
+        else:
+            continue
+        for root in roots:  # a container sees its own cgroup at the root of the mount
+            for limit_file, used_file in pairs:
+                try:
+                    limit, used = (root / limit_file).read_text().strip(), (root / used_file).read_text().strip()
+                except OSError:
+                    continue
+                if limit != "max" and int(limit) < 2**60:  # v1 states "no limit" as a huge number
+                    known.append(max(0, int(limit) - int(used)))
+                break
+            else:
+                continue
+            break
+    return min(known) if known else None
