@@ -20,7 +20,7 @@ import numpy as np
 from . import i420
 from ..storage.local import replacing
 from .audio import Sound
-from .video import local
+from .video import local, mux_frames
 
 METHODS = ("render", "crop", "pad")
 PROFILES = ("baseline", "main", "high")
@@ -267,7 +267,8 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
 
     w, h = i420.check_size(size)
     with av.open(local(path), mode="w", format="mp4", container_options={"movflags": "+faststart"}) as out:
-        vs = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        video_rate = Fraction(fps).limit_denominator(1001)  # one clock for the video and the music's interleaving
+        vs = out.add_stream("libx264", rate=video_rate)
         vs.width, vs.height, vs.pix_fmt = w, h, "yuv420p"
         opts = {"preset": d.preset, "profile": d.profile, "level": d.level}
         if abr:
@@ -281,16 +282,9 @@ def _encode_once(frame_iter, fps, size, path, d: Delivery, kbps, audio, rate, ab
         aus = None
         if audio is not None:
             aus = Sound(np.asarray(audio, dtype=np.float32), rate, "stereo").writer(out, d.audio_kbps * 1000)
-        for i, frame in enumerate(frame_iter):  # I420 as frames() makes them, or RGB
-            yuv = frame if frame.ndim == 2 else cv2.cvtColor(frame, cv2.COLOR_RGB2YUV_I420)
-            for packet in vs.encode(av.VideoFrame.from_ndarray(yuv, format="yuv420p")):
-                out.mux(packet)
-            if aus is not None:  # the music up to this frame's end, so that the streams interleave
-                aus.until((i + 1) / fps)
-        for packet in vs.encode():
-            out.mux(packet)
-        if aus is not None:
-            aus.close()
+        # I420 as frames() makes them, or RGB
+        yuv = (f if f.ndim == 2 else cv2.cvtColor(f, cv2.COLOR_RGB2YUV_I420) for f in frame_iter)
+        mux_frames(out, vs, (av.VideoFrame.from_ndarray(f, format="yuv420p") for f in yuv), video_rate, aus)
 
 
 def probe_av(path: str | Path) -> dict:

@@ -63,15 +63,22 @@ def encode_h264(frames: np.ndarray, fps: float, path: str | Path, crf: int = CRF
             stream.width, stream.height, stream.pix_fmt = w, h, PIX_FMT
             stream.options = {"crf": str(crf), "preset": preset}
             audio = sound.writer(out) if sound is not None else None  # every stream before the first packet
-            for i, frame in enumerate(frames):
-                for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                    out.mux(packet)
-                if audio is not None:  # the sound up to this frame's end, so that the streams interleave
-                    audio.until((i + 1) / rate)
-            for packet in stream.encode():
-                out.mux(packet)
-            if audio is not None:
-                audio.close()
+            mux_frames(out, stream, (av.VideoFrame.from_ndarray(f, format="rgb24") for f in frames), rate, audio)
+
+
+def mux_frames(out, stream, frames, fps: float | Fraction, audio=None) -> None:
+    """Encode ``frames`` (``av.VideoFrame``) into the video ``stream`` of the container ``out``
+    and mux them; with ``audio`` (an :class:`.audio.AacWriter`), the sound up to each frame's
+    end after it, so that the streams interleave. Then flush both encoders."""
+    for i, frame in enumerate(frames):
+        for packet in stream.encode(frame):
+            out.mux(packet)
+        if audio is not None:
+            audio.until((i + 1) / fps)
+    for packet in stream.encode():
+        out.mux(packet)
+    if audio is not None:
+        audio.close()
 
 
 def reason(e: Exception) -> str:
