@@ -59,7 +59,7 @@ class ModelError(ValueError):
 
 def cache_dir() -> Path:
     """Folder for built artefacts (the tiny model): ``$CLIPMILL_CACHE`` or ``~/.cache/clipmill``."""
-    return Path(os.environ.get("CLIPMILL_CACHE", Path.home() / ".cache" / "clipmill"))
+    return Path(os.environ.get("CLIPMILL_CACHE") or Path.home() / ".cache" / "clipmill")  # empty: unset, as elsewhere
 
 
 @dataclass(frozen=True)
@@ -328,8 +328,12 @@ def tiny_path(name: str = TINY) -> Path:
     dest = cache_dir() / f"{name}-v{TINY_VERSION}"
     if (dest / "model_index.json").exists():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=dest.parent))
+    except OSError as e:
+        raise ModelError(f"model {name!r} is built on first use in {dest.parent} ($CLIPMILL_CACHE, else ~/.cache/clipmill), "
+                         f"which cannot be written ({e.strerror or e}); set CLIPMILL_CACHE to a writable folder") from None
     try:
         build(tmp)
         try:

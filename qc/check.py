@@ -117,7 +117,7 @@ class QCConfig:
         if path is not None:
             where = f"{name} {str(path)!r}"
             try:
-                data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+                data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # a byte-order mark too
             except FileNotFoundError:
                 raise ValueError(f"{where}: no such file")
             except UnicodeDecodeError:
@@ -126,6 +126,8 @@ class QCConfig:
                 raise ValueError(f"{where}: cannot be read ({e.strerror or e})")
             except tomllib.TOMLDecodeError as e:
                 raise ValueError(f"{where}: not valid TOML ({e})")
+            except ValueError:  # an integer of more than 4300 digits (Python's limit on reading one)
+                raise ValueError(f"{where}: holds a number of more than 4300 digits; no setting takes one")
             table = data.pop("qc", {})
             if not isinstance(table, dict):
                 raise ValueError(f"{where}: qc = {table!r}; give [qc] as a table of QC settings")

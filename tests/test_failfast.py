@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -512,3 +513,101 @@ def test_a_command_about_a_batch_refuses_a_job_table_that_is_not_there(cli, tmp_
     assert res.output.strip() == (f"Error: no job table at sqlite:///{tmp_path / 'none.db'}: nothing was submitted "
                                   "there; set CLIPMILL_DATABASE_URL to the job table that holds the batch")
     assert not list(tmp_path.glob("none.db*"))
+
+
+@pytest.mark.parametrize("url, says", [
+    ("sqlite://", "an in-memory SQLite database forgets every batch when the command ends; give a file "
+                  "(sqlite:///clipmill.db) or a PostgreSQL URL"),
+    ("mysql://x/y", "its database driver is not installed (No module named 'MySQLdb'); clipmill's job table is SQLite "
+                    "(sqlite:///clipmill.db) or PostgreSQL (postgresql+psycopg://user@host/db)"),
+])
+def test_a_job_table_url_that_cannot_keep_or_open_a_batch_is_one_line(cli, monkeypatch, url, says):
+    """An in-memory SQLite URL said "1 job(s) queued" and the next command found no such batch;
+    a dialect whose driver is not installed was a ModuleNotFoundError traceback (exit 1)."""
+    monkeypatch.setenv("CLIPMILL_DATABASE_URL", url)
+    for args in (("submit", "good.csv", "--model", "tiny"), ("status",)):
+        res = cli(*args)
+        assert res.exit_code == 2, res.output
+        assert res.output.strip().splitlines()[-1] == f"Error: CLIPMILL_DATABASE_URL {url!r}: {says}"
+
+
+def test_numbers_too_long_or_in_other_digits_and_a_file_too_large_are_named(cli, tmp_path):
+    """A seed of 5000 digits (a 5 KB row) was a traceback (Python reads at most 4300 digits),
+    in a CSV, a JSONL row or --size; a seed or rate in Arabic-Indic or full-width digits was read
+    as the ASCII number without a word; a 1 GB batch file was read whole several times over
+    (and a link to /dev/zero for ever)."""
+    long = "9" * 5000
+    (tmp_path / "long.csv").write_text(f"prompt,seed,fps\na bowl of ramen,{long},３０\n", encoding="utf-8")
+    res = cli("prompts", "check", "long.csv", "--model", "tiny")
+    assert res.exit_code == 2
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: long.csv:2: seed: '{long[:77]}...' is not a seed; allowed: an integer from 0 to 4294967295",
+                      "error: long.csv:2: fps: '３０' is not a frame rate; allowed: an integer from 8 to 120"]
+    (tmp_path / "long.jsonl").write_text(f'{{"prompt": "a bowl of ramen", "seed": {long}}}\n')
+    res = cli("submit", "long.jsonl", "--model", "tiny")
+    assert res.exit_code == 2 and "long.jsonl:1: holds a number of more than 4300 digits; no column takes one" in res.output
+    res = cli("submit", "good.csv", "--model", "tiny", "--size", long)
+    assert res.exit_code == 2 and "Invalid value for --size: " in res.output and "Traceback" not in res.output
+    with open(tmp_path / "huge.csv", "wb") as f:
+        f.truncate(101 * 2**20)  # sparse: 101 MiB of zeros, made at once
+    res = cli("prompts", "check", "huge.csv", "--model", "tiny")
+    assert res.exit_code == 2 and ("error: huge.csv: is larger than 100 MiB, the most a batch file may hold (about half "
+                                   "a million prompts); split it into several batches") in res.output
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--tier", "quality"), "--tier cannot be used with --ad: an ad template sets each shot's tier"),
+    (("--size", "128"), "--size cannot be used with --ad: an ad template sets each format's size"),
+    (("--truncate",), "--truncate cannot be used with --ad: an ad's prompts and texts are checked whole; shorten the "
+                      "rows named"),
+    (("--skip-invalid",), "--skip-invalid cannot be used with --ad: an ad batch is submitted whole; fix or remove the "
+                          "rows named"),
+])
+def test_options_an_ad_batch_does_not_take_are_refused_not_ignored(cli, db, args, says):
+    """They were accepted with --ad and did nothing (--truncate's error then told the user to
+    pass --truncate)."""
+    from clipmill.jobs.core.models import Batch
+
+    ad = os.path.join(os.path.dirname(__file__), "..", "examples", "ad")
+    for command in (("submit",), ("prompts", "check")):
+        if command == ("prompts", "check") and "--skip-invalid" in args:
+            continue  # prompts check has no --skip-invalid
+        res = cli(*command, f"{ad}/ads.csv", "--ad", f"{ad}/local-life.toml", "--model", "tiny", *args)
+        assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == f"Error: {says}", res.output
+    with db.session() as s:
+        assert s.scalars(select(Batch)).all() == []
+
+
+def test_an_ad_template_with_a_byte_order_mark_a_huge_number_or_a_bare_notify_url(cli, tmp_path):
+    """A template saved with a byte-order mark (Windows editors) was "not valid TOML (at line 1,
+    column 1)"; a number of 5000 digits a traceback; notify = "http://" passed where --notify
+    http:// is refused."""
+    ad = os.path.join(os.path.dirname(__file__), "..", "examples", "ad")
+    for name in os.listdir(ad):
+        shutil.copy(os.path.join(ad, name), tmp_path / name)
+    text = (tmp_path / "local-life.toml").read_text(encoding="utf-8")
+    (tmp_path / "bom.toml").write_text("\ufeff" + text, encoding="utf-8")
+    assert cli("prompts", "check", "ads.csv", "--ad", "bom.toml", "--model", "tiny").exit_code == 0
+    (tmp_path / "fps.toml").write_text(text.replace("fps = 30", "fps = " + "9" * 5000, 1), encoding="utf-8")
+    res = cli("prompts", "check", "ads.csv", "--ad", "fps.toml", "--model", "tiny")
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == (
+        "Error: --ad fps.toml: holds a number of more than 4300 digits; no setting takes one")
+    (tmp_path / "notify.toml").write_text('notify = "http://"\n' + text, encoding="utf-8")
+    res = cli("prompts", "check", "ads.csv", "--ad", "notify.toml", "--model", "tiny")
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == (
+        "Error: notify.toml: notify = 'http://': give an http://HOST/... or https://HOST/... URL")
+
+
+def test_a_cache_folder_that_cannot_be_written_is_one_line_and_an_empty_one_is_unset(cli, tmp_path, monkeypatch):
+    """CLIPMILL_CACHE under a file was a NotADirectoryError traceback; set empty, it built the
+    tiny model into the current folder (every other CLIPMILL_ variable reads empty as unset)."""
+    from clipmill.pipeline.models import cache_dir
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("CLIPMILL_CACHE", str(tmp_path / "afile" / "x"))
+    res = cli("prompts", "check", "good.csv", "--model", "tiny")
+    assert res.exit_code == 2 and res.output.strip().splitlines()[-1] == (
+        f"Error: model 'tiny' is built on first use in {tmp_path / 'afile' / 'x'} ($CLIPMILL_CACHE, else "
+        "~/.cache/clipmill), which cannot be written (Not a directory); set CLIPMILL_CACHE to a writable folder")
+    monkeypatch.setenv("CLIPMILL_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "clipmill"

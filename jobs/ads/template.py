@@ -21,7 +21,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clipmill.jobs.core.preflight import BadOption
+from clipmill.jobs.core.preflight import NOTIFY_URL_RE, BadOption
 from clipmill.pipeline.assemble import METHODS, PROFILES, Delivery
 from clipmill.pipeline.choices import TIERS
 from clipmill.pipeline.overlay import ANCHORS, parse_colour
@@ -34,7 +34,7 @@ LEVEL_MAX_BLOCKS = {"3.0": 1620, "3.1": 3600, "3.2": 5120, "4.0": 8192, "4.1": 8
 TRANSITIONS = ("cut", "crossfade")
 MAX_SHOT_SECONDS = 30.0
 MIN_FILE_BYTES = 10_000  # max_size below this cannot hold an ad at any setting; 0 read as "no limit" before
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]?)b?\s*$", re.I)
+_SIZE_RE = re.compile(r"^\s*([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*([kmg]?)b?\s*$", re.I)  # ASCII, as float() reads it
 _RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([km]?)\s*$", re.I)
 
 
@@ -360,7 +360,7 @@ def load(path: str | Path, stored: bool = False) -> AdTemplate:
     placeholders), not here. ``stored``: see ``loads``."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # Windows editors write a byte-order mark
     except FileNotFoundError:
         raise TemplateError(f"--ad {path}: no such file") from None
     except IsADirectoryError:
@@ -381,6 +381,8 @@ def loads(text: str, path: str | Path, stored: bool = False) -> AdTemplate:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise TemplateError(f"--ad {path}: not valid TOML ({e})") from None
+    except ValueError:  # an integer of more than 4300 digits (Python's limit on reading one)
+        raise TemplateError(f"--ad {path}: holds a number of more than 4300 digits; no setting takes one") from None
     r = _Reader(path, data, stored=stored)
     r.known(("name", "fps", "safe_area", "font", "formats", "shots", "texts", "logo", "end_card", "music", "notify"))
     fps = r.num("fps", 30, MIN_FPS, MAX_FPS, integer=True)
@@ -454,8 +456,8 @@ def loads(text: str, path: str | Path, stored: bool = False) -> AdTemplate:
         m.known(("file", "volume", "fade_out"))
         music = MusicSpec(m.text("file"), m.num("volume", 1.0, 0.0, 2.0), m.num("fade_out", 1.0, 0.0, total))
     notify = r.text("notify", "") or None
-    if notify and not re.match(r"^https?://", notify):
-        raise r.err("notify", notify, "give an http:// or https:// URL")
+    if notify and not NOTIFY_URL_RE.match(notify):  # the same as --notify
+        raise r.err("notify", notify, "give an http://HOST/... or https://HOST/... URL")
     return AdTemplate(path=path, name=r.text("name", path.stem), fps=fps, safe_area=safe_area, formats=formats,
                       shots=tuple(shots),
                       texts=texts, logo=logo, end_card=end_card, music=music, notify=notify, text=text)

@@ -115,6 +115,7 @@ def open_db(existing: bool = False):
     cannot be opened or reached a setup problem (exit 3), each one line naming it. ``existing``:
     for a command about batches already submitted, a SQLite file that is not there is bad input
     (exit 2), not made empty."""
+    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from clipmill.jobs.core.db import Database, sqlite_file
@@ -122,8 +123,13 @@ def open_db(existing: bool = False):
     url = settings().database_url
     try:
         path = sqlite_file(url)
+        memory = path is None and make_url(url).drivername.startswith("sqlite") and make_url(url).database in (
+            None, "", ":memory:")
     except ArgumentError:
-        path = None  # Database() below names it
+        path, memory = None, False  # Database() below names it
+    if memory:  # each command is a process of its own: what one submitted, the next would not find
+        raise BadInput(f"CLIPMILL_DATABASE_URL {redact_url(url)!r}: an in-memory SQLite database forgets every batch "
+                       "when the command ends; give a file (sqlite:///clipmill.db) or a PostgreSQL URL")
     if existing and path is not None and not path.exists():
         raise BadInput(f"no job table at {redact_url(url)}: nothing was submitted there; set CLIPMILL_DATABASE_URL "
                        "to the job table that holds the batch")
@@ -132,6 +138,10 @@ def open_db(existing: bool = False):
     except ArgumentError as e:
         raise BadInput(f"CLIPMILL_DATABASE_URL {redact_url(url)!r}: not a database URL ({e}); "
                        "expected e.g. sqlite:///clipmill.db or postgresql+psycopg://user@host/db")
+    except ImportError as e:  # a dialect or driver that is not installed (mysql://, postgresql+asyncpg://)
+        raise BadInput(f"CLIPMILL_DATABASE_URL {redact_url(url)!r}: its database driver is not installed ({e}); "
+                       "clipmill's job table is SQLite (sqlite:///clipmill.db) or PostgreSQL "
+                       "(postgresql+psycopg://user@host/db)")
     except (SQLAlchemyError, OSError) as e:
         why = str(getattr(e, "orig", None) or e).strip().splitlines()
         raise SetupError(f"the job table at {redact_url(url)} cannot be opened: {why[0] if why else e.__class__.__name__}")
@@ -164,6 +174,9 @@ def batch_options(fn):
         from clipmill.jobs.core.prompts import Defaults, parse_size
         from clipmill.pipeline.models import model_info
 
+        ctx = click.get_current_context()
+        if ctx.params.get("ad_template") is not None:
+            refuse_with_ad(ctx)
         opts = SubmitOptions(model=model, template=template, truncate=truncate)
         size_t = None
         if size is not None or frames is not None:
@@ -181,6 +194,27 @@ def batch_options(fn):
         return fn(*args, opts=opts, **kwargs)
 
     return wrapper
+
+
+# options of a prompt batch that an ad batch does not take, and why (they were accepted and ignored)
+NOT_WITH_AD = {
+    "template": "an ad template builds each shot's prompt",
+    "tier": "an ad template sets each shot's tier", "frames": "an ad template sets each shot's length",
+    "fps": "an ad template sets the frame rate", "size": "an ad template sets each format's size",
+    "truncate": "an ad's prompts and texts are checked whole; shorten the rows named",
+    "skip_invalid": "an ad batch is submitted whole; fix or remove the rows named",
+}
+
+
+def refuse_with_ad(ctx: click.Context) -> None:
+    """UsageError (exit 2) for an option of :data:`NOT_WITH_AD` given (on the command line or
+    through its variable) together with ``--ad``."""
+    from click.core import ParameterSource
+
+    for name, why in NOT_WITH_AD.items():
+        if name in ctx.params and ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE,
+                                                                     ParameterSource.ENVIRONMENT):
+            raise click.UsageError(f"--{name.replace('_', '-')} cannot be used with --ad: {why}")
 
 
 def submit_options(fn):

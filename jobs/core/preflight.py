@@ -30,6 +30,7 @@ MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 MIN_GROUP, MAX_GROUP = 1, 16
 BATCH_RE = re.compile(r"^(?![0-9]+\Z)[A-Za-z0-9][A-Za-z0-9._-]{0,79}\Z")  # \Z: "$" also matched before a final newline; digits alone would read as a job id
 DEVICE_RE = re.compile(r"(cpu|cuda|mps)(?::(\d+))?")
+NOTIFY_URL_RE = re.compile(r"^https?://[^\s/]+")  # --notify, and an ad template's notify
 
 
 class BadOption(ValueError):
@@ -61,7 +62,7 @@ def check_submit_options(opts) -> None:
         raise BadOption(f"--batch {opts.batch!r}: not a valid name; allowed: 1-80 letters, digits, '.', '_' or '-', "
                         "starting with a letter or digit, not digits alone (they name a job)")
     notify = getattr(opts, "notify", None)
-    if notify is not None and not re.match(r"^https?://[^\s/]+", notify):
+    if notify is not None and not NOTIFY_URL_RE.match(notify):
         raise BadOption(f"--notify {notify!r}: not a URL; allowed: http://HOST/... or https://HOST/...")
 
 

@@ -238,6 +238,14 @@ def _read_jsonl(path: Path, text: str) -> Records:
         except json.JSONDecodeError as e:
             problems.append(Problem(str(path), line, None, None, f"not valid JSON ({e.msg} at column {e.colno})"))
             continue
+        except ValueError:  # a number of more than 4300 digits (Python's limit on reading one)
+            problems.append(Problem(str(path), line, None, None, "holds a number of more than 4300 digits; no column "
+                                    "takes one"))
+            continue
+        except RecursionError:
+            problems.append(Problem(str(path), line, None, None, "nests arrays or objects too deeply; a row is one "
+                                    "flat object of columns"))
+            continue
         if not isinstance(pairs, _Pairs):
             problems.append(Problem(str(path), line, None, None, f"expected a JSON object, got {type(pairs).__name__}"))
             continue
@@ -269,6 +277,9 @@ def _column(name: str) -> str:
     return unicodedata.normalize("NFKC", name).strip().lower()
 
 
+MAX_FILE_BYTES = 100 * 2**20  # a batch file's size limit
+
+
 def read_records(path: str | Path) -> Records:
     """The columns, the (line, fields) records, and the lines that could not be read."""
     p = Path(path)
@@ -277,13 +288,17 @@ def read_records(path: str | Path) -> Records:
         raise FileProblem(Problem(str(p), 1, None, None,
                                   f"unknown file type {suffix or '(none)'!r}; allowed: {', '.join(READERS)}"))
     try:
-        data = p.read_bytes()
+        with open(p, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)  # at most: a link to /dev/zero is not read for ever
     except FileNotFoundError:
         raise FileProblem(Problem(str(p), 0, None, None, "no such file"))
     except IsADirectoryError:
         raise FileProblem(Problem(str(p), 0, None, None, "is a folder; give a .csv, .jsonl or .txt file"))
     except OSError as e:
         raise FileProblem(Problem(str(p), 0, None, None, f"cannot be read ({e.strerror or e})"))
+    if len(data) > MAX_FILE_BYTES:  # read whole, it would be held several times over (bytes, text, rows)
+        raise FileProblem(Problem(str(p), 0, None, None, f"is larger than {MAX_FILE_BYTES // 2**20} MiB, the most a "
+                                  "batch file may hold (about half a million prompts); split it into several batches"))
     text = _decode(p, data)
     return READERS[suffix](p, text)
 
@@ -322,7 +337,9 @@ def _int(v: object) -> int | None:
         return v
     if isinstance(v, float) and v.is_integer():
         return int(v)
-    if isinstance(v, str) and re.fullmatch(r"\s*[+-]?\d+\s*", v):
+    # ASCII digits only (\d also takes Arabic-Indic and full-width ones), and few enough of them
+    # that int() reads them (it refuses more than 4300): no limit here is near 30 digits
+    if isinstance(v, str) and re.fullmatch(r"\s*[+-]?[0-9]{1,30}\s*", v):
         return int(v)
     return None
 
@@ -334,7 +351,7 @@ def parse_size(value: object, info: ModelInfo) -> tuple[tuple[int, int] | None, 
         f"from {info.min_size} to {info.max_size}"
     )
     s = str(value).strip().lower().replace("×", "x") if not isinstance(value, bool) else ""
-    m = re.fullmatch(r"(\d+)\s*(?:x\s*(\d+))?", s)
+    m = re.fullmatch(r"([0-9]{1,9})\s*(?:x\s*([0-9]{1,9}))?", s)  # ASCII digits, and a number int() reads
     if not m:
         return None, f"is not a size; {allowed}"
     w = int(m.group(1))
