@@ -21,7 +21,7 @@ CHANNELS = 2
 AAC, AAC_BITRATE = "aac", 192_000
 AAC_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 AAC_FRAME = 1024  # samples per AAC frame
-FOLLOW_ON_S = 0.005  # an audio frame stated this close after the one before ends follows on (MKV's ms times)
+FOLLOW_ON_S = 0.005  # an audio frame stated this close to where the one before ends follows on (MKV's ms times)
 MAX_SAMPLE = 16.0  # float PCM beyond +-16 (+24 dBFS) is damage, not sound
 LAYOUTS = {1: "mono", 2: "stereo"}  # a clip's sound keeps mono or stereo; more channels are mixed down to stereo
 
@@ -163,14 +163,22 @@ def read_sound(src: str | Path, seconds: float) -> Sound | None:
     after cut off. At its own rate when AAC holds it, else 48 kHz; mono or stereo (more
     channels are mixed down). None when ``src`` has no audio; ``AudioError`` when the track
     cannot be read at all, or none of its packets decodes. A frame whose time lies within
-    ``FOLLOW_ON_S`` after the end of the one before, or before it, follows on from it."""
+    ``FOLLOW_ON_S`` of the end of the one before follows on from it; in takes joined byte for
+    byte whose times start again (the picture's decode times go back), so does one stated
+    earlier."""
     import av
 
     try:
         with av.open(local(src)) as inp:
             if not inp.streams.audio:
                 return None
-            start = next((f.time for f in inp.decode(video_stream(inp, src))), None) or 0.0
+            picture = video_stream(inp, src)
+            dts = [p.dts for p in inp.demux(picture) if p.dts is not None]
+            # takes joined byte for byte whose times start again: decode() lays their pictures end
+            # to end, in stored order, and the sound follows them so
+            joined = any(b < a for a, b in zip(dts, dts[1:]))
+            inp.seek(0)
+            start = next((f.time for f in inp.decode(picture)), None) or 0.0
         with av.open(local(src)) as inp:
             ain = inp.streams.audio[0]
             _check_decoder(ain, src)
@@ -186,11 +194,13 @@ def read_sound(src: str | Path, seconds: float) -> Sound | None:
                     continue
                 if time is not None or at is None:  # a source frame's first piece; the rest follows on
                     stated = round((time - start) * rate) if time is not None else 0  # no times: end to end
-                    # the first frame, or a gap: silence up to where its time says. A frame stated
-                    # within FOLLOW_ON_S of where the one before ended (a container's times rounded
-                    # to the millisecond), or before it (segments joined byte for byte whose times
-                    # start again, as decode() reads their pictures in stored order), follows on.
-                    if at is None or stated - at > FOLLOW_ON_S * rate:
+                    # A frame stated within FOLLOW_ON_S of where the one before ended (a container's
+                    # times rounded to the millisecond) follows on; one further off goes where its
+                    # time says: after a gap (silence up to it), or back over an overlap (a clock
+                    # that runs fast does not drift the sound later and later). In joined takes
+                    # whose times start again, a frame stated earlier follows on, as their pictures do.
+                    if at is None or stated - at > FOLLOW_ON_S * rate or (at - stated > FOLLOW_ON_S * rate
+                                                                          and not joined):
                         at = stated
                 decoded += not bad
                 lo, hi = max(at, 0), min(at + data.shape[1], pcm.shape[1])

@@ -122,23 +122,24 @@ def probe(path: str | Path) -> dict:
 
 
 def stated_size(path: str | Path) -> tuple[int, int, int] | None:
-    """(frames, height, width) of the first video stream as its container states them, read
-    from the header without decoding: the stated frame count, else the duration times the
-    rate (what :func:`decode` makes of a variable-rate file); None when it states neither.
-    ``VideoError`` when it is not a readable video."""
+    """(frames, height, width) that :func:`decode` will return for ``path``'s first video
+    stream, found without decoding: its packets' times read as ``decode`` reads its frames' (a
+    variable-rate file's held pictures repeated at one rate, :func:`constant_rate`); None when
+    it holds no packet or states no size. ``VideoError`` when it is not a readable video."""
     import av
 
     try:
         with av.open(local(path)) as container:
             stream = video_stream(container, path)
             w, h = stream.codec_context.width, stream.codec_context.height
-            n = stream.frames
-            if not n and stream.duration is not None and stream.time_base is not None:
-                n = round(float(stream.duration * stream.time_base) * float(stream.average_rate or stream.guessed_rate or 0))
-            elif not n and container.duration:  # the container's duration (AV_TIME_BASE, microseconds)
-                n = round(container.duration / 1e6 * float(stream.average_rate or stream.guessed_rate or 0))
+            stated = tuple(float(r) for r in (stream.guessed_rate, stream.average_rate) if r)
+            packets = [p for p in container.demux(stream) if p.size]
+            times = sorted(float(p.pts * p.time_base) for p in packets if p.pts is not None)
     except (av.error.FFmpegError, IndexError) as e:
         raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
+    n = len(packets)
+    if len(times) == n and (cfr := constant_rate(times, stated)) is not None:
+        n = len(cfr[0])
     return (n, h, w) if n and w and h else None
 
 

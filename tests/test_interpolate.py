@@ -231,3 +231,39 @@ def test_a_matroska_track_plays_on_without_holes_and_joined_takes_follow_each_ot
     hz = [_peak_hz(sound.pcm[0], 48000, t) for t in (0.25, 0.75, 1.25, 1.75)]
     assert all(abs(h - want) < 15 for h, want in zip(hz, (440, 440, 880, 880))), hz
     assert (np.abs(sound.pcm[0, 52000:92000]) > 0.1).mean() > 0.5  # the second take is heard
+
+
+def test_a_track_whose_clock_runs_fast_stays_in_step(tmp_path):
+    """Frames of 1024 samples stated 1000 samples apart (an audio clock 2.4% fast against the
+    container's): following each on from the one before slid the sound 456 ms late by 19 s. A
+    frame stated more than 5 ms before where the one before ended goes where its time says."""
+    import av
+    from fractions import Fraction
+
+    from clipmill.pipeline.audio import read_sound
+
+    rate = 48000
+    with av.open(str(tmp_path / "fast-sound.mkv"), "w") as c:
+        v = c.add_stream("libx264", rate=24)
+        v.width, v.height, v.pix_fmt = 64, 64, "yuv420p"
+        a = c.add_stream("pcm_s16le", rate=rate, layout="mono")
+        for k in range(240):
+            f = av.VideoFrame.from_ndarray(np.zeros((64, 64, 3), np.uint8), format="rgb24")
+            f.pts, f.time_base = k, Fraction(1, 24)
+            for p in v.encode(f):
+                c.mux(p)
+        for p in v.encode():
+            c.mux(p)
+        for i in range(480):
+            x = np.zeros((1, 1024), np.int16)
+            x[0, 0] = 20000 if i % 48 == 0 else 0  # a click every 48 frames, stated at i * 1000 samples
+            af = av.AudioFrame.from_ndarray(x, format="s16", layout="mono")
+            af.sample_rate, af.pts, af.time_base = rate, i * 1000, Fraction(1, rate)
+            for p in a.encode(af):
+                c.mux(p)
+        for p in a.encode():
+            c.mux(p)
+    sound = read_sound(tmp_path / "fast-sound.mkv", 10.0)
+    clicks = np.flatnonzero(sound.pcm[0] > 0.5)
+    late_ms = [(clicks[np.argmin(np.abs(clicks - i * 1000))] - i * 1000) / rate * 1000 for i in range(0, 480, 48)]
+    assert len(clicks) == 10 and max(abs(ms) for ms in late_ms) < 5, late_ms

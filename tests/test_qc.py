@@ -397,8 +397,9 @@ def test_a_clip_too_long_for_memory_is_that_files_error_and_the_others_are_check
 def test_a_clip_that_needs_more_memory_than_there_is_is_refused_before_it_is_decoded(tmp_path):
     """A clip that fits the address space but not the memory was decoded until the kernel's OOM
     killer ended the whole run, every file after it unchecked. QC now reads the frames a file
-    states (its header, no decoding) and refuses one that needs more than --max-memory, or than
-    the host (or its container) has available: one error line, the next file still checked."""
+    will hold (its packets' times, no decoding: a variable-rate file's held pictures repeated at
+    one rate, as decode() does) and refuses one that needs more than --max-memory, or than the
+    host (or its container) has available: one error line, the next file still checked."""
     from clipmill.jobs.core.preflight import available_memory
 
     encode_h264(pan(n=24), 24, tmp_path / "short.mp4")
@@ -416,8 +417,14 @@ def test_a_clip_that_needs_more_memory_than_there_is_is_refused_before_it_is_dec
     assert res.exit_code == 2 and res.stderr.splitlines()[-1] == (
         "Error: --max-memory 'lots': not a size; give a number and a unit (b, kb, mb, gb, tb, kib, mib, gib, tib), "
         "for example 500MB or 2GiB")
+    # a variable-rate file: 40 pictures stored, a long hold among them; read as 1520 at 24 fps
+    pts = [round(i * 1000 / 24) for i in range(39)] + [63000]
+    write_video(tmp_path / "held.mp4", (np.zeros((360, 640, 3), np.uint8) for _ in range(40)), pts_ms=pts)
+    res = CliRunner().invoke(main, ["qc", str(tmp_path / "held.mp4"), "--max-memory", "500MB"])
+    assert res.exit_code == 2 and res.stderr.startswith(
+        f"error: {tmp_path / 'held.mp4'}: 1513 frames of 640x360 need about "), res.stderr
     total = int(next(l for l in open("/proc/meminfo") if l.startswith("MemTotal:")).split()[1]) * 1024
-    assert 0 < available_memory() <= total  # the default: what there is now
+    assert 0 <= available_memory() <= total  # the default: what there is now
 
 
 def test_a_strip_too_thin_once_shrunk_is_told_which_max_side_measures_it(tmp_path):

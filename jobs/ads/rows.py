@@ -14,6 +14,7 @@ what is allowed (as a prompt batch's rows are):
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
@@ -127,12 +128,21 @@ def _check_file(path: Path, kind: str) -> str | None:
             ImageFont.truetype(str(path), size=12, index=0)
             missing_glyphs(path, "a")  # the glyph check reads the font's tables too (fontTools)
         elif kind == "music":  # read as the ad is built: damaged packets and NaN samples are refused here
-            try:
-                audio.load(path)
-            except audio.AudioError as e:
-                return f"{str(e).removeprefix(f'{path}: ')} ({path})"
+            st = path.stat()
+            return _music_problem(str(path), st.st_size, st.st_mtime_ns)
     except Exception as e:  # noqa: BLE001 - Pillow, FreeType and FFmpeg raise their own kinds
         return f"cannot be read as a {kind} file ({path}: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _music_problem(path: str, size: int, mtime_ns: int) -> str | None:
+    """Why a music file cannot be used, or None: read once per file as it is now (size and
+    modification time), however many rows name it (a 3-minute track takes about 0.6 s)."""
+    try:
+        audio.load(path)
+    except audio.AudioError as e:
+        return f"{str(e).removeprefix(f'{path}: ')} ({path})"
     return None
 
 

@@ -122,14 +122,16 @@ def open_db(existing: bool = False):
 
     url = settings().database_url
     try:
-        path = sqlite_file(url)
-        memory = path is None and make_url(url).drivername.startswith("sqlite") and make_url(url).database in (
-            None, "", ":memory:")
+        path, parsed = sqlite_file(url), make_url(url)
+        name = parsed.database or ""
+        memory = parsed.drivername.startswith("sqlite") and (
+            name in ("", ":memory:") or (name.startswith("file:") and (":memory:" in name or "mode=memory" in name))
+            or parsed.query.get("mode") == "memory")
     except ArgumentError:
         path, memory = None, False  # Database() below names it
     if memory:  # each command is a process of its own: what one submitted, the next would not find
-        raise BadInput(f"CLIPMILL_DATABASE_URL {redact_url(url)!r}: an in-memory SQLite database forgets every batch "
-                       "when the command ends; give a file (sqlite:///clipmill.db) or a PostgreSQL URL")
+        raise BadInput(f"CLIPMILL_DATABASE_URL {url!r}: an in-memory SQLite database forgets every batch when the "
+                       "command ends; give a file (sqlite:///clipmill.db) or a PostgreSQL URL")
     if existing and path is not None and not path.exists():
         raise BadInput(f"no job table at {redact_url(url)}: nothing was submitted there; set CLIPMILL_DATABASE_URL "
                        "to the job table that holds the batch")

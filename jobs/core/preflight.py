@@ -216,7 +216,7 @@ MEMORY_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def parse_memory(text: str, option: str) -> int:
     """``500MB``, ``2GiB``, ``1.5GB`` as bytes; BadOption naming ``option`` otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", text)
+    m = re.fullmatch(r"\s*([0-9]{1,15}(?:\.[0-9]{1,9})?)\s*([A-Za-z]+)\s*", text)
     if not m or m.group(2).lower() not in MEMORY_UNITS:
         raise BadOption(f"{option} {text!r}: not a size; give a number and a unit ({', '.join(MEMORY_UNITS)}), "
                         "for example 500MB or 2GiB")
@@ -228,9 +228,11 @@ def parse_memory(text: str, option: str) -> int:
 
 def available_memory() -> int | None:
     """Bytes this process can still take without the kernel swapping or killing it: the host's
-    ``MemAvailable``, and in a container the room left under its cgroup's memory limit (v2
-    ``memory.max`` less ``memory.current``, v1 ``memory.limit_in_bytes`` less
-    ``memory.usage_in_bytes``); None where neither is known (not Linux)."""
+    ``MemAvailable``, and in a container the least room left under any memory limit of its
+    cgroup or the cgroups above it (v2 ``memory.max`` less ``memory.current``, v1
+    ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``; both count page cache the kernel
+    can take back, so its ``inactive_file`` is counted as room, as ``docker stats`` does); None
+    where none is known (not Linux)."""
     known = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -245,23 +247,35 @@ def available_memory() -> int | None:
     for line in own:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
-            pairs = [("memory.max", "memory.current")]
-            roots = [Path("/sys/fs/cgroup") / path.lstrip("/"), Path("/sys/fs/cgroup")]
+            mount, files = Path("/sys/fs/cgroup"), ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):  # v1
-            pairs = [("memory.limit_in_bytes", "memory.usage_in_bytes")]
-            roots = [Path("/sys/fs/cgroup/memory") / path.lstrip("/"), Path("/sys/fs/cgroup/memory")]
+            mount, files = Path("/sys/fs/cgroup/memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                            "total_inactive_file")
         else:
             continue
-        for root in roots:  # a container sees its own cgroup at the root of the mount
-            for limit_file, used_file in pairs:
-                try:
-                    limit, used = (root / limit_file).read_text().strip(), (root / used_file).read_text().strip()
-                except OSError:
-                    continue
-                if limit != "max" and int(limit) < 2**60:  # v1 states "no limit" as a huge number
-                    known.append(max(0, int(limit) - int(used)))
-                break
-            else:
-                continue
-            break
+        # the cgroup and each one above it; a container sees its own cgroup at the mount's root
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            if (room := _cgroup_room(mount.joinpath(*parts[:depth]), *files)) is not None:
+                known.append(room)
     return min(known) if known else None
+
+
+def _cgroup_room(folder: Path, limit_file: str, used_file: str, reclaimable: str) -> int | None:
+    """Bytes left under the memory limit of the cgroup at ``folder`` (its reclaimable page
+    cache counted as room), or None where it has no limit or no such files."""
+    try:
+        limit, used = (folder / limit_file).read_text().strip(), int((folder / used_file).read_text())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 2**60:  # v1 states "no limit" as a huge number
+        return None
+    cache = 0
+    try:
+        for line in (folder / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == reclaimable:
+                cache = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, int(limit) - max(0, used - cache))
