@@ -527,6 +527,7 @@ def test_a_post_that_fails_part_way_keeps_none_of_its_files(db, tmp_path):
 class Waits:
     def __init__(self):
         self.held: list[int] = []
+        self.waited = threading.Event()
 
     def group_started(self, size, steps): pass
     def step(self, done, total): pass
@@ -535,6 +536,7 @@ class Waits:
 
     def waiting(self, held):
         self.held.append(held)
+        self.waited.set()
 
 
 @pytest.mark.slow
@@ -547,14 +549,15 @@ def test_a_run_waits_for_the_jobs_another_live_worker_holds_then_ends(db, tmp_pa
     other = "elsewhere:4242.1"  # a live worker on another host: only its lease's expiry would free its jobs
     (held,) = claim_group(db, other, "b", size=1, lease_s=300)
 
-    def the_other_worker():
-        time.sleep(1.0)
+    events = Waits()
+
+    def the_other_worker():  # finishes once the run has said it waits for it (a fixed sleep lost the race on a loaded machine)
+        assert events.waited.wait(120)
         (done,) = render_group(ctx, [held.attempt_id])
         post_attempt(ctx, done, owner=other)
 
     t = threading.Thread(target=the_other_worker)
     t.start()
-    events = Waits()
     stats = run_batch(ctx, "b", group_size=2, events=events, poll_s=0.1)
     t.join()
     jobs, by_job = jobs_and_attempts(db)
@@ -575,3 +578,66 @@ def test_a_run_waiting_on_a_worker_that_died_takes_its_job_back_when_the_lease_r
     assert [j.state for j in jobs] == ["rejected"] * 2
     lost = by_job[held.job_id]
     assert [a.state for a in lost] == ["failed", "rejected"] and "abandoned: worker elsewhere:4242.1" in lost[0].error
+
+
+def test_a_post_stage_whose_lease_another_worker_took_stores_and_deletes_nothing(db, tmp_path):
+    """A post stage that ran past its lease (nothing renewed it) while another worker took the
+    attempt over and delivered it then failed on the raw frames that worker had deleted, and its
+    error path deleted the delivered clip. Now a live post stage's lease is renewed as a render's
+    is, one that lost it anyway stores nothing, and a failure on an attempt another worker
+    finished deletes nothing."""
+    from clipmill.jobs.core.queue import holds_post
+
+    make_batch(db, tmp_path, rows=1, max_attempts=1)
+    ctx = WorkerContext(db, qc_config=REJECT_ALL)
+    (c,) = claim_group(db, "me:1", "b", size=1)
+    (done,) = render_group(ctx, [c.attempt_id])
+    got = []
+    a = threading.Thread(target=lambda: got.append(post_attempt(ctx, done, owner="host-a:1")))
+    a.start()
+
+    def held_by(owner):
+        with db.session() as s:
+            return s.get(Job, c.job_id).lease_owner == owner
+
+    wait_until("A's post lease", lambda: held_by("host-a:1"), 30)
+    with db.session() as s, s.begin():  # B takes it over, as claim_post does once A's lease has run out
+        s.get(Job, c.job_id).lease_owner = "host-b:1"
+    a.join(60)
+    out = tmp_path / "out"
+    assert got == [None] and not list(out.rglob("*.mp4"))  # A stored nothing
+    with db.session() as s:
+        assert s.get(Attempt, done).state == "rendered"  # and left the attempt to B
+    assert holds_post(db, c.job_id, "host-b:1") and not holds_post(db, c.job_id, "host-a:1")
+    assert post_attempt(ctx, done, owner="host-b:1") == "reject"
+    clips = list(out.rglob("*.mp4"))
+    assert len(clips) == 1 and not list(out.rglob("*.frames.npy"))
+
+    from clipmill.jobs.runner.stages import _fail
+    assert _fail(db, done, "a late failure of A") is False  # B's verdict stands
+    assert clips[0].exists()
+
+
+def test_a_post_worker_that_dies_loses_an_attempt_and_the_job_fails_at_max_lost(db, tmp_path):
+    """A post worker killed after it took the post lease was taken over without a word: a clip
+    that kills its post worker was sent round for ever. Each takeover now counts a lost attempt,
+    and at the batch's max_lost the job fails, naming the last worker; its raw frames go."""
+    from clipmill.jobs.core.queue import claim_post
+
+    make_batch(db, tmp_path, rows=1, max_attempts=1)  # max_lost 3
+    ctx = WorkerContext(db, qc_config=REJECT_ALL)
+    (c,) = claim_group(db, "me:1", "b", size=1)
+    (done,) = render_group(ctx, [c.attempt_id])
+    for k in (0, 1, 2):  # three post workers take it in turn, each then killed (its process gone)
+        dead = dead_owner()
+        assert claim_post(db, c.job_id, dead, lease_s=60) == "claimed"
+        with db.session() as s:
+            job = s.get(Job, c.job_id)
+            assert (job.state, job.attempts_lost) == ("post", k)
+    assert post_attempt(ctx, done, owner="me:3") is None  # the third loss: failed, not taken
+    jobs, by_job = jobs_and_attempts(db)
+    assert (jobs[0].state, jobs[0].attempts_lost) == ("failed", 3)
+    assert jobs[0].error == (f"post worker lost 3 times (max_lost 3): the clip may kill its post worker; last worker "
+                             f"{dead}")
+    assert [a.state for a in by_job[c.job_id]] == ["failed"]
+    assert not list((tmp_path / "out").rglob("*.frames.npy"))

@@ -503,7 +503,7 @@ def status(batch, as_json, watch, limit):
         elif r["error"]:
             why = r["error"]
         if r["passed_on_retry"]:
-            why = f"passed on retry {len(r['attempts'])} (" + "; ".join(
+            why = f"passed on retry {len(r['attempts']) - r['attempts_lost']} (" + "; ".join(
                 f"a{a['number']} {a['tier']} {a['verdict'] or a['state']}" for a in r["attempts"]) + ")"
         elif r["out_of_attempts"]:
             why = f"out of attempts ({len(r['attempts']) - r['attempts_lost']}/{st['max_attempts']}): " + why

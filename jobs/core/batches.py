@@ -223,7 +223,7 @@ def batch_summary(db: Database, batch_id: str) -> dict:
         in_batch = Job.batch_id == batch_id
         counts = dict(s.execute(select(Job.state, func.count()).where(in_batch).group_by(Job.state)).all())
         passed_on_retry = s.scalar(select(func.count()).select_from(Job).where(
-            in_batch, Job.state == JobState.PASSED.value, Job.attempts_made > 1))
+            in_batch, Job.state == JobState.PASSED.value, Job.attempts_made - Job.attempts_lost > 1))  # QC retries
         out_of_attempts = s.scalar(select(func.count()).select_from(Job).where(
             in_batch, Job.state.in_((JobState.REJECTED.value, JobState.FAILED.value)),
             Job.attempts_made - Job.attempts_lost >= batch.max_attempts))
@@ -315,7 +315,7 @@ def batch_status(db: Database, batch_id: str, limit: int | None = None) -> dict:
                     }
                     for a in atts
                 ],
-                "passed_on_retry": j.state == JobState.PASSED.value and len(atts) > 1,
+                "passed_on_retry": j.state == JobState.PASSED.value and len(atts) - j.attempts_lost > 1,  # QC retries
                 "attempts_lost": j.attempts_lost,  # lost with their worker: not counted against max_attempts
                 "out_of_attempts": j.state in final_fail and j.attempts_made - j.attempts_lost >= st["max_attempts"],
                 "verdict": last.verdict if last else None,

@@ -157,7 +157,8 @@ def claim_group(
                 state=AttemptState.RENDERING.value,
                 tier=j.tier,
                 steps=TIERS[j.tier].steps,
-                seed=attempt_seed(j.seed, j.attempts_made + 1),
+                # a lost attempt (its worker died) renders the same clip again: only a QC retry draws anew
+                seed=attempt_seed(j.seed, j.attempts_made - (j.attempts_lost or 0) + 1),
                 model=b.model,
                 sampler=b.sampler,
                 guidance=b.guidance,
@@ -172,14 +173,16 @@ def claim_group(
         return claimed
 
 
-def renew_lease(db: Database, job_ids: list[int], worker: str, lease_s: float = DEFAULT_LEASE_S) -> int:
-    """Push the lease of the jobs this worker still holds ``lease_s`` seconds out; returns how many."""
+def renew_lease(db: Database, job_ids: list[int], worker: str, lease_s: float = DEFAULT_LEASE_S,
+                state: JobState = JobState.RENDERING) -> int:
+    """Push the lease of the jobs this worker still holds in ``state`` (rendering, or post for a
+    post stage's lease) ``lease_s`` seconds out; returns how many."""
     if not job_ids:
         return 0
     with db.session() as s, s.begin():
         res = s.execute(
             update(Job)
-            .where(Job.id.in_(job_ids), Job.lease_owner == worker, Job.state == JobState.RENDERING.value)
+            .where(Job.id.in_(job_ids), Job.lease_owner == worker, Job.state == state.value)
             .values(lease_expires_at=now() + timedelta(seconds=lease_s))
             .execution_options(synchronize_session=False)
         )
@@ -187,7 +190,7 @@ def renew_lease(db: Database, job_ids: list[int], worker: str, lease_s: float = 
 
 
 class Heartbeat:
-    """Renews the lease of the jobs a worker is rendering, every ``lease_s / 3`` seconds, on a
+    """Renews the lease of the jobs a worker is rendering (or post-processing: ``state``), every ``lease_s / 3`` seconds, on a
     thread of its own, for as long as the ``with`` block runs: a group that renders for longer
     than the lease is never taken back by a concurrent ``run``, ``nightly`` or ``reconcile``.
 
@@ -197,8 +200,8 @@ class Heartbeat:
     """
 
     def __init__(self, db: Database, job_ids: list[int], worker: str, lease_s: float = DEFAULT_LEASE_S,
-                 every: float | None = None):
-        self.db, self.job_ids, self.worker, self.lease_s = db, list(job_ids), worker, lease_s
+                 every: float | None = None, state: JobState = JobState.RENDERING):
+        self.db, self.job_ids, self.worker, self.lease_s, self.state = db, list(job_ids), worker, lease_s, state
         self.every = every if every is not None else lease_s / 3
         if not 0 < self.every < lease_s:
             raise ValueError(f"heartbeat every {self.every:g} s with a lease of {lease_s:g} s: allowed more "
@@ -210,7 +213,7 @@ class Heartbeat:
 
     def beat(self) -> None:
         try:
-            renew_lease(self.db, self.job_ids, self.worker, self.lease_s)
+            renew_lease(self.db, self.job_ids, self.worker, self.lease_s, self.state)
         except Exception as e:  # noqa: BLE001 - any database error: keep beating
             self.errors += 1
             log.warning("lease renewal of jobs %s failed (%s: %s); retrying in %.3g s", self.job_ids,
@@ -319,8 +322,30 @@ def claim_post(db: Database, job_id: int, worker: str, lease_s: float = POST_LEA
             return "moved"
         if job.lease_owner not in (None, worker) and not lease_lost(job.lease_expires_at, job.lease_owner):
             return "busy"
+        if job.lease_owner not in (None, worker):  # its post worker died (or hung past its lease): a lost attempt
+            batch = s.get(Batch, job.batch_id)
+            job.attempts_lost = (job.attempts_lost or 0) + 1
+            if job.attempts_lost >= batch.max_lost:  # the clip kills its post worker: stop sending it round
+                for a in s.scalars(select(Attempt).where(Attempt.job_id == job.id,
+                                                         Attempt.state == AttemptState.RENDERED.value)):
+                    move_attempt(s, a.id, AttemptState.RENDERED, AttemptState.FAILED, finished_at=now(),
+                                 error=f"abandoned: post worker {job.lease_owner} lost its lease")
+                move_job(s, job.id, JobState.POST, JobState.FAILED, lease_owner=None, lease_expires_at=None,
+                         attempts_lost=job.attempts_lost,
+                         error=f"post worker lost {job.attempts_lost} times (max_lost {batch.max_lost}): the clip "
+                               f"may kill its post worker; last worker {job.lease_owner}")
+                return "moved"
         job.lease_owner, job.lease_expires_at = worker, now() + timedelta(seconds=lease_s)
     return "claimed"
+
+
+def holds_post(db: Database, job_id: int, worker: str) -> bool:
+    """Whether ``worker`` still holds the post lease of job ``job_id`` (checked before it stores
+    an attempt's files: a worker that stalled past its lease, whose job another worker has
+    taken over, stores nothing)."""
+    with db.session() as s:
+        row = s.execute(select(Job.state, Job.lease_owner).where(Job.id == job_id)).one_or_none()
+    return row is not None and row.state == JobState.POST.value and row.lease_owner == worker
 
 
 def pending_post(db: Database, batch_id: str | None = None) -> list[int]:

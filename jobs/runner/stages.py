@@ -28,7 +28,7 @@ from clipmill.jobs.core.logs import ids
 from clipmill.jobs.core.models import Attempt, Batch, Job, attempt_key, attempt_keys
 from clipmill.jobs.core.operations import release
 from clipmill.jobs.core.preflight import SetupProblem
-from clipmill.jobs.core.queue import attempts_left, claim_post, worker_name
+from clipmill.jobs.core.queue import POST_LEASE_S, Heartbeat, attempts_left, claim_post, holds_post, worker_name
 from clipmill.jobs.core.settings import Settings
 from clipmill.jobs.runner.checks import VERDICT_KINDS, clip_decode_check, with_render_check
 from clipmill.jobs.runner.draws import DEFAULT_DRAWS, check_draws, render_drawing
@@ -97,25 +97,31 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _fail(db: Database, attempt_id: int, error: str) -> None:
+class LeaseLost(RuntimeError):
+    """This worker no longer holds the lease of the job it was working on."""
+
+
+def _fail(db: Database, attempt_id: int, error: str) -> bool:
     """Mark an attempt failed; its job goes back to queued with attempts left (see
-    queue.attempts_left), else to failed with the error's last line as its reason."""
+    queue.attempts_left), else to failed with the error's last line as its reason. False when
+    the attempt was no longer open (another worker finished it meanwhile): nothing changed."""
     with db.session() as s, s.begin():
         a = s.get(Attempt, attempt_id)
         job = s.get(Job, a.job_id)
         batch = s.get(Batch, job.batch_id)
         src_attempt = AttemptState(a.state)
         if src_attempt not in (AttemptState.RENDERING, AttemptState.RENDERED):
-            return
+            return False
         move_attempt(s, a.id, src_attempt, AttemptState.FAILED, error=error[-4000:], finished_at=now())
         src = JobState(job.state)
         if src not in (JobState.RENDERING, JobState.POST):
-            return
+            return True
         retry = attempts_left(job, batch)
         move_job(
             s, job.id, src, JobState.QUEUED if retry else JobState.FAILED,
             lease_owner=None, lease_expires_at=None, error=None if retry else error.splitlines()[-1][-500:],
         )
+    return True
 
 
 def render_group(
@@ -339,7 +345,8 @@ def post_attempt(ctx: WorkerContext, attempt_id: int, owner: str | None = None) 
     if job.state != JobState.POST.value:  # cancelled after rendering: nothing to deliver
         _drop(ctx, job, a, batch.out)
         return None
-    claim = claim_post(ctx.db, job.id, owner or f"{worker_name()}/{threading.get_ident()}")  # post workers run threads
+    owner = owner or f"{worker_name()}/{threading.get_ident()}"  # post workers run threads
+    claim = claim_post(ctx.db, job.id, owner)
     if claim == "moved":  # cancelled since: nothing to deliver
         _drop(ctx, job, a, batch.out)
         return None
@@ -348,6 +355,15 @@ def post_attempt(ctx: WorkerContext, attempt_id: int, owner: str | None = None) 
         # not bit-identical, so two posts would store files that need not match the verdict kept
         log.info("another worker is post-processing this attempt; nothing to do", extra=ids(job, a))
         return None
+    # the lease is renewed while this stage runs, so that no other worker takes the attempt over
+    # from a live one; a stage that stalled past it anyway (a hung disk) stores nothing
+    with Heartbeat(ctx.db, [job.id], owner, POST_LEASE_S, state=JobState.POST):
+        return _post(ctx, job, a, batch, owner)
+
+
+def _post(ctx: WorkerContext, job: Job, a: Attempt, batch: Batch, owner: str) -> str | None:
+    """``post_attempt``'s work once it holds the job's post lease as ``owner``."""
+    attempt_id = a.id
     try:
         storage = ctx.storage(batch.out)
         t0 = time.perf_counter()
@@ -358,6 +374,8 @@ def post_attempt(ctx: WorkerContext, attempt_id: int, owner: str | None = None) 
         os.close(fd)
         try:
             decoded, result, series, steps = convert_and_check(raw, fps_in, job.fps, tmp, ctx.qc_config)
+            if not holds_post(ctx.db, job.id, owner):
+                raise LeaseLost(f"post lease of job {job.id} lost to another worker (this one stalled past it)")
             result = with_render_check(result, a.timings)  # the decode's measures, recorded by the render stage
             steps["retime_s"] += loaded - t0  # reading the raw frames counts with the retime
             t3 = time.perf_counter()
@@ -383,11 +401,14 @@ def post_attempt(ctx: WorkerContext, attempt_id: int, owner: str | None = None) 
             json.dumps(sidecar(job, a, fps_in, len(decoded), qc, files, timings, adherence), ensure_ascii=False,
                        indent=2).encode(),
         )
+    except LeaseLost as e:  # the worker that took it over stores the files and the verdict
+        log.warning("%s; nothing stored", e, extra=ids(job, a))
+        return None
     except Exception:
         err = traceback.format_exc()
         log.error("post-processing failed: %s", err.splitlines()[-1], extra=ids(job, a))
-        _fail(ctx.db, attempt_id, err)
-        _delete_files(ctx, job, a, batch.out)  # a failed attempt keeps no clip, poster or raw frames
+        if _fail(ctx.db, attempt_id, err):  # not when another worker finished it meanwhile: those files are its
+            _delete_files(ctx, job, a, batch.out)  # a failed attempt keeps no clip, poster or raw frames
         return None
 
     passed = result.verdict == "pass"
