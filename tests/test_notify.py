@@ -99,3 +99,34 @@ def test_a_notify_url_that_is_not_one_is_refused(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("Error: --notify 'ftp://x/y': not a URL; allowed: http://HOST/... "
                                                     "or https://HOST/...")
+
+
+def test_a_callback_whose_sender_died_is_sent_again_and_one_being_sent_is_not(receiver, db, tmp_path):
+    """The batch was marked notified before the first try: a post worker killed between tries
+    lost the callback for good. A send is now marked ``sending`` until its tries end; one still
+    so after SENDING_STALE_S (its worker died) is taken and sent again, by notify_once and by
+    reconcile's list; a recent one is left to the worker sending it."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from clipmill.jobs.core.batches import SubmitOptions, submit
+    from clipmill.jobs.core.models import Batch, Job
+    from clipmill.jobs.core.notify import SENDING, SENDING_STALE_S, notify_once
+    from clipmill.jobs.core.queue import now
+    from clipmill.jobs.farm.dispatch import unnotified
+
+    url, got, _ = receiver
+    (tmp_path / "b.csv").write_text('prompt\n"a bowl of ramen, orbit"\n')
+    submit(db, tmp_path / "b.csv", SubmitOptions(batch="nb", out=str(tmp_path / "out"), notify=url))
+    with db.session() as s, s.begin():
+        s.execute(update(Job).values(state="failed"))  # finished
+        s.execute(update(Batch).values(notified_at=now() - timedelta(seconds=30), notify_error=SENDING))
+    assert unnotified(db) == [] and notify_once(db, "nb", None) is None and got == []  # being sent
+    with db.session() as s, s.begin():
+        s.execute(update(Batch).values(notified_at=now() - timedelta(seconds=SENDING_STALE_S + 60)))
+    assert unnotified(db) == ["nb"]
+    assert notify_once(db, "nb", None)["ok"] and len(got) == 1
+    with db.session() as s:
+        assert s.get(Batch, "nb").notify_error is None
+    assert unnotified(db) == [] and notify_once(db, "nb", None) is None and len(got) == 1  # once

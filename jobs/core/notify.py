@@ -19,8 +19,9 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from datetime import timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, or_, select, update
 
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, Batch, Job
@@ -62,12 +63,23 @@ def finished(db: Database, batch_id: str) -> bool:
     return not jobs and not ads
 
 
+SENDING = "sending"  # notify_error while a worker is sending the callback (None once sent, else why not)
+SENDING_STALE_S = 300  # a send taken this long ago and still marked sending: its worker died; sent again
+
+
+def not_sent():
+    """The SQL condition of a batch whose callback nobody sent: never taken, or taken by a
+    worker that died while sending it (still marked ``sending`` after ``SENDING_STALE_S``, far
+    longer than the retry policy's tries and waits)."""
+    return or_(Batch.notified_at.is_(None), and_(Batch.notify_error == SENDING,
+                                                 Batch.notified_at < now() - timedelta(seconds=SENDING_STALE_S)))
+
+
 def due(db: Database, batch_id: str) -> str | None:
-    """The batch's callback URL when its callback is due: it has one, nobody has sent it, and
-    the batch is finished; else None."""
+    """The batch's callback URL when its callback is due: it has one, nobody has sent it (or its
+    sender died), and the batch is finished; else None."""
     with db.session() as s:
-        batch = s.get(Batch, batch_id)
-        url = batch.notify_url if batch is not None and batch.notified_at is None else None
+        url = s.scalar(select(Batch.notify_url).where(Batch.id == batch_id, not_sent()))
     return url if url and finished(db, batch_id) else None
 
 
@@ -124,14 +136,14 @@ def post(url: str, payload: dict, secret: str | None, policy: RetryPolicy = Retr
 
 def notify_once(db: Database, batch_id: str, secret: str | None, policy: RetryPolicy = RetryPolicy()) -> dict | None:
     """Send the batch's callback if it has a URL, it is finished, and nobody sent it yet (a
-    compare-and-set on ``notified_at``). Returns the delivery result, or None when there was
-    nothing to send."""
+    compare-and-set on ``notified_at``; a send whose worker died is taken again after
+    ``SENDING_STALE_S``). Returns the delivery result, or None when there was nothing to send."""
     url = due(db, batch_id)
     if url is None:
         return None
-    with db.session() as s, s.begin():
-        took = s.execute(update(Batch).where(Batch.id == batch_id, Batch.notified_at.is_(None))
-                         .values(notified_at=now())).rowcount
+    with db.session() as s, s.begin():  # marked sending until the tries end: a worker killed meanwhile is seen
+        took = s.execute(update(Batch).where(Batch.id == batch_id, not_sent())
+                         .values(notified_at=now(), notify_error=SENDING)).rowcount
     if not took:
         return None
     result = post(url, summary(db, batch_id), secret, policy)

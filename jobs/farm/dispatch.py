@@ -13,7 +13,7 @@ from sqlalchemy import or_, select, update
 from clipmill.jobs.ads.assembly import readiness
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Ad, Attempt, Batch, Job
-from clipmill.jobs.core.notify import due
+from clipmill.jobs.core.notify import due, not_sent
 from clipmill.jobs.core.queue import lease_lost, now, reclaim
 from clipmill.jobs.core.states import AttemptState, JobState
 from clipmill.jobs.farm.app import app
@@ -95,9 +95,9 @@ def send_notify(batch_id: str) -> None:
 
 
 def unnotified(db: Database) -> list[str]:
-    """Finished batches with a callback URL that nobody has sent yet."""
+    """Finished batches with a callback URL that nobody has sent yet (or whose sender died)."""
     with db.session() as s:
-        ids = list(s.scalars(select(Batch.id).where(Batch.notify_url.is_not(None), Batch.notified_at.is_(None))))
+        ids = list(s.scalars(select(Batch.id).where(Batch.notify_url.is_not(None), not_sent())))
     return [b for b in ids if due(db, b)]
 
 
