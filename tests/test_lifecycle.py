@@ -641,3 +641,18 @@ def test_a_post_worker_that_dies_loses_an_attempt_and_the_job_fails_at_max_lost(
                              f"{dead}")
     assert [a.state for a in by_job[c.job_id]] == ["failed"]
     assert not list((tmp_path / "out").rglob("*.frames.npy"))
+
+
+def test_the_raw_frames_a_killed_render_stored_are_swept_when_the_job_is_delivered(db, tmp_path):
+    """A render worker killed after it stored an attempt's raw frames but before it recorded
+    them left ``a1.frames.npy`` behind for good, though the job was delivered by attempt 2."""
+    make_batch(db, tmp_path, rows=1, max_attempts=1)
+    (held,) = claim_group(db, dead_owner(), "b", size=1)  # a worker that then died
+    orphan = tmp_path / "out" / "b" / str(held.job_id) / "a1.frames.npy"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"raw frames nobody recorded")
+    stats = run_batch(WorkerContext(db, qc_config=REJECT_ALL), "b", group_size=1, events=Waits(), poll_s=0.1)
+    jobs, by_job = jobs_and_attempts(db)
+    assert stats.reclaimed == [held.job_id] and [a.state for a in by_job[held.job_id]] == ["failed", "rejected"]
+    assert not orphan.exists() and not list((tmp_path / "out").rglob("*.frames.npy"))
+    assert (orphan.parent / "a2.mp4").exists()

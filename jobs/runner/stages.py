@@ -439,6 +439,18 @@ def _post(ctx: WorkerContext, job: Job, a: Attempt, batch: Batch, owner: str) ->
     except Exception as e:  # noqa: BLE001 - the verdict stands; say what is left behind
         log.warning("deleting the raw frames %s in %s failed (%s: %s); delete them by hand", a.raw_key, batch.out,
                     e.__class__.__name__, e, extra=ids(job, a))
+    _sweep_lost(ctx, job, batch.out)
     log.info("%s%s: %s", result.verdict, " (retry queued)" if retry else "", "; ".join(result.reasons) or "clean",
              extra=ids(job, a))
     return result.verdict
+
+
+def _sweep_lost(ctx: WorkerContext, job: Job, out: str) -> None:
+    """Delete what the job's lost attempts left in storage: a render killed after it stored its
+    raw frames but before it recorded them (``raw_key``) left them with no attempt pointing at
+    them. A lost attempt's files are never delivered."""
+    with ctx.db.session() as s:
+        lost = s.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.state == AttemptState.FAILED.value,
+                                               Attempt.error.like("abandoned:%"))).all()
+    for old in lost:
+        _delete_files(ctx, job, old, out)
