@@ -14,7 +14,7 @@ from clipmill.jobs.cli.common import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_JOB
                                       batch_options,
                                       default_device, domain_errors, duration, err, interruptible, open_db, out,
                                       print_table, qc_config_options,
-                                      redact_url, settings, submit_options, warn, warn_model)
+                                      redact_url, settings, stop_if_interrupted, submit_options, warn, warn_model)
 from clipmill.jobs.core.defaults import DEFAULT_DRAWS, MAX_DRAWS
 from clipmill.pipeline.models import TINY_MODELS, TINY_WARNING
 
@@ -307,6 +307,7 @@ class _RunProgress:
         return c
 
     def group_started(self, size, steps):
+        stop_if_interrupted()
         with self.lock:
             self.groups += 1
             if self.tty:
@@ -314,10 +315,12 @@ class _RunProgress:
                                 note=f"{size} clip(s)")
 
     def step(self, done, total):
+        stop_if_interrupted()
         if self.tty:
             self.bar.update(self.steps_t, completed=done, total=total)
 
     def rendered(self, n):
+        stop_if_interrupted()
         with self.lock:
             c = self._update_jobs()
             if not self.tty:
@@ -331,6 +334,7 @@ class _RunProgress:
                 self._update_jobs()
 
     def waiting(self, held):
+        stop_if_interrupted()
         with self.lock:
             if self.tty:
                 self.bar.update(self.steps_t, description="  waiting", note=f"{held} job(s) held by another worker")

@@ -37,18 +37,39 @@ EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM during a run: the jobs being rendere
 @contextlib.contextmanager
 def interruptible():
     """SIGTERM (`docker stop`, systemd, `kill`) stops a run as Ctrl-C does, with KeyboardInterrupt,
-    so that the runner can put back what it holds before the process ends."""
+    so that the runner can put back what it holds before the process ends. Either signal is also
+    remembered (:func:`stop_if_interrupted`): Python drops an exception raised while a finalizer
+    runs ("Exception ignored in: ... __del__"), and a Ctrl-C that landed there let the run go on
+    to its end."""
     def stop(signum, frame):
+        INTERRUPTED.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
         yield
         return
+    INTERRUPTED.clear()
     before = signal.signal(signal.SIGTERM, stop)
+    before_int = signal.getsignal(signal.SIGINT)
+    if before_int is signal.default_int_handler:  # not where SIGINT is ignored (a job started with &)
+        signal.signal(signal.SIGINT, stop)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+        if before_int is signal.default_int_handler:
+            signal.signal(signal.SIGINT, before_int)
+
+
+INTERRUPTED = threading.Event()  # a stop signal arrived while interruptible() was on
+
+
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt (again) in the main thread when a stop signal has arrived: the
+    run's progress callbacks call it, so that a signal whose first raise was swallowed still
+    stops the run at the next step."""
+    if INTERRUPTED.is_set() and threading.current_thread() is threading.main_thread():
+        raise KeyboardInterrupt
 
 
 class FiniteRange(click.FloatRange):
