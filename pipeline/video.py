@@ -102,45 +102,30 @@ def video_stream(container, path):
 
 
 def probe(path: str | Path) -> dict:
-    """Codec, size, frame rate and frame count of a video file's first video stream."""
+    """Codec, size, frame rate and frame count of a video file's first video stream, read from
+    its packets without decoding: ``frames`` as stored, ``decoded_frames`` as :func:`decode` will
+    return them (a variable-rate file's held pictures repeated at one rate, :func:`constant_rate`)."""
     import av
 
     try:
         with av.open(local(path)) as container:
             stream = video_stream(container, path)
-            frames = sum(1 for _ in container.demux(stream) if _.size)
-            return {
+            stated = tuple(float(r) for r in (stream.guessed_rate, stream.average_rate) if r)
+            packets = [p for p in container.demux(stream) if p.size]
+            times = sorted(float(p.pts * p.time_base) for p in packets if p.pts is not None)
+            info = {
                 "codec": stream.codec_context.name,
                 "pix_fmt": stream.codec_context.pix_fmt,
                 "width": stream.codec_context.width,
                 "height": stream.codec_context.height,
                 "fps": float(stream.average_rate or stream.guessed_rate or 0),
-                "frames": frames,
+                "frames": len(packets),
             }
     except (av.error.FFmpegError, IndexError) as e:
         raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
-
-
-def stated_size(path: str | Path) -> tuple[int, int, int] | None:
-    """(frames, height, width) that :func:`decode` will return for ``path``'s first video
-    stream, found without decoding: its packets' times read as ``decode`` reads its frames' (a
-    variable-rate file's held pictures repeated at one rate, :func:`constant_rate`); None when
-    it holds no packet or states no size. ``VideoError`` when it is not a readable video."""
-    import av
-
-    try:
-        with av.open(local(path)) as container:
-            stream = video_stream(container, path)
-            w, h = stream.codec_context.width, stream.codec_context.height
-            stated = tuple(float(r) for r in (stream.guessed_rate, stream.average_rate) if r)
-            packets = [p for p in container.demux(stream) if p.size]
-            times = sorted(float(p.pts * p.time_base) for p in packets if p.pts is not None)
-    except (av.error.FFmpegError, IndexError) as e:
-        raise VideoError(f"{path}: not a readable video ({reason(e)})") from e
-    n = len(packets)
-    if len(times) == n and (cfr := constant_rate(times, stated)) is not None:
-        n = len(cfr[0])
-    return (n, h, w) if n and w and h else None
+    cfr = constant_rate(times, stated) if len(times) == len(packets) else None
+    info["decoded_frames"] = len(cfr[0]) if cfr is not None else len(packets)
+    return info
 
 
 def decode(path: str | Path, min_frames: int = 1) -> tuple[np.ndarray, float]:

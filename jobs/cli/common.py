@@ -136,18 +136,13 @@ def open_db(existing: bool = False):
     cannot be opened or reached a setup problem (exit 3), each one line naming it. ``existing``:
     for a command about batches already submitted, a SQLite file that is not there is bad input
     (exit 2), not made empty."""
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-    from clipmill.jobs.core.db import Database, sqlite_file
+    from clipmill.jobs.core.db import Database, sqlite_file, sqlite_in_memory
 
     url = settings().database_url
     try:
-        path, parsed = sqlite_file(url), make_url(url)
-        name = parsed.database or ""
-        memory = parsed.drivername.startswith("sqlite") and (
-            name in ("", ":memory:") or (name.startswith("file:") and (":memory:" in name or "mode=memory" in name))
-            or parsed.query.get("mode") == "memory")
+        path, memory = sqlite_file(url), sqlite_in_memory(url)
     except ArgumentError:
         path, memory = None, False  # Database() below names it
     if memory:  # each command is a process of its own: what one submitted, the next would not find

@@ -33,8 +33,8 @@ def qc(files, as_json, explain, sheet, bench, max_memory, qc_cfg):
 
     Frames are compared with their motion-compensated neighbours, so fast pans and zooms pass.
     A file that cannot be read or checked (missing, a folder, not a video, frames too small to
-    measure, a clip too long for memory: QC holds the whole clip, so a file whose stated frames
-    need more than --max-memory is refused before it is decoded) gets an error line naming it
+    measure, a clip too long for memory: QC holds the whole clip, so a file whose frames need
+    more than --max-memory is refused before it is decoded) gets an error line naming it
     and why, never a verdict; the other files are still checked, and the exit code is 2 (as it
     is when a --sheet cannot be written: an error line after that file's verdict). Exits 0 when
     every file was read and checked, whatever the verdicts.
@@ -115,19 +115,19 @@ class TooBig(ValueError):
 
 
 def _check_memory(path: str, limit: int | None, max_side: int) -> None:
-    """TooBig when ``path``'s frames, as its header states them, need more than ``limit`` bytes
+    """TooBig when ``path``'s frames, as decode will make them (``probe``), need more than ``limit`` bytes
     (None: what the host has available now): refused before decoding, since a clip that fits
     the address space but not the memory is not a MemoryError but the kernel's OOM killer,
     which ends the whole run (every file after it unchecked)."""
     from clipmill.jobs.core.preflight import available_memory
-    from clipmill.pipeline.video import stated_size
+    from clipmill.pipeline.video import probe
     from clipmill.qc.check import memory_needed
 
-    shape = stated_size(path)
+    info = probe(path)
+    n, h, w = info["decoded_frames"], info["height"], info["width"]
     room = limit if limit is not None else available_memory()
-    if shape is None or room is None:
+    if not (n and h and w) or room is None:
         return
-    n, h, w = shape
     need = memory_needed(n, h, w, max_side)[0]
     if need > room:
         where = "--max-memory allows" if limit is not None else "this host has available now"

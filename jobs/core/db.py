@@ -33,6 +33,17 @@ def sqlite_file(url: str | URL) -> Path | None:
     return Path(name)
 
 
+def sqlite_in_memory(url: str | URL) -> bool:
+    """Whether a URL names an in-memory SQLite database (``sqlite://``, ``:memory:``, a ``file:``
+    URI with ``mode=memory``), which each process opens empty. Raises ArgumentError for a URL
+    that does not parse."""
+    parsed = make_url(url)
+    name = parsed.database or ""
+    return parsed.drivername.startswith("sqlite") and (
+        name in ("", ":memory:") or (name.startswith("file:") and (":memory:" in name or "mode=memory" in name))
+        or parsed.query.get("mode") == "memory")
+
+
 def make_engine(url: str | None = None) -> Engine:
     url = database_url(url)
     if url.startswith("sqlite"):

@@ -439,7 +439,8 @@ def _post(ctx: WorkerContext, job: Job, a: Attempt, batch: Batch, owner: str) ->
     except Exception as e:  # noqa: BLE001 - the verdict stands; say what is left behind
         log.warning("deleting the raw frames %s in %s failed (%s: %s); delete them by hand", a.raw_key, batch.out,
                     e.__class__.__name__, e, extra=ids(job, a))
-    _sweep_lost(ctx, job, batch.out)
+    if job.attempts_lost:  # only a job that lost an attempt can have left anything
+        _sweep_lost(ctx, job, batch.out)
     log.info("%s%s: %s", result.verdict, " (retry queued)" if retry else "", "; ".join(result.reasons) or "clean",
              extra=ids(job, a))
     return result.verdict
