@@ -656,3 +656,36 @@ def test_the_raw_frames_a_killed_render_stored_are_swept_when_the_job_is_deliver
     assert stats.reclaimed == [held.job_id] and [a.state for a in by_job[held.job_id]] == ["failed", "rejected"]
     assert not orphan.exists() and not list((tmp_path / "out").rglob("*.frames.npy"))
     assert (orphan.parent / "a2.mp4").exists()
+
+
+def test_the_raw_frames_killed_renders_stored_are_swept_when_the_job_fails_at_max_lost(db, tmp_path):
+    """A job failed by reclaim at its max_lost kept what its killed renders had stored
+    (``a1.frames.npy`` ... ``a3.frames.npy``) for good: the sweep ran only when a clip was stored."""
+    make_batch(db, tmp_path, rows=1, max_attempts=2)
+    out = tmp_path / "out" / "b"
+    for n in (1, 2, 3):
+        (c,) = claim_group(db, f"nohost.invalid:{n}", "b", size=1, lease_s=-1)  # a lease already expired
+        orphan = out / str(c.job_id) / f"a{n}.frames.npy"
+        orphan.parent.mkdir(parents=True, exist_ok=True)
+        orphan.write_bytes(b"raw frames nobody recorded")
+        assert reclaim(db, "b") == [c.job_id]
+        assert orphan.exists() == (n < 3)  # kept while the job may still deliver; nothing of it is used
+    jobs, _ = jobs_and_attempts(db)
+    assert jobs[0].state == "failed" and not [p for p in out.rglob("*") if p.is_file()]
+
+
+def test_the_raw_frames_a_killed_render_stored_are_swept_when_the_job_fails_on_an_error(db, tmp_path):
+    """The same for a job whose later attempt fails with no attempts left (a render or post error)."""
+    from clipmill.jobs.runner.stages import _fail
+
+    make_batch(db, tmp_path, rows=1, max_attempts=1)
+    (held,) = claim_group(db, dead_owner(), "b", size=1)  # a worker that then died
+    orphan = tmp_path / "out" / "b" / str(held.job_id) / "a1.frames.npy"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"raw frames nobody recorded")
+    assert reclaim(db, "b") == [held.job_id]
+    (again,) = claim_group(db, "me:1", "b", size=1)
+    assert _fail(db, again.attempt_id, "Traceback ...\nRuntimeError: the render failed") is True
+    jobs, by_job = jobs_and_attempts(db)
+    assert (jobs[0].state, jobs[0].error) == ("failed", "RuntimeError: the render failed")
+    assert [a.state for a in by_job[held.job_id]] == ["failed", "failed"] and not orphan.exists()

@@ -99,14 +99,34 @@ def _cancel_one(db: Database, jid: int) -> tuple[str, list[str]] | None:
         return s.get(Batch, job.batch_id).out, keys
 
 
-def _delete(out: str, keys: list[str]) -> None:
+def _delete(out: str, keys: list[str], why: str = "cancelled", storage=None) -> None:
     try:
-        storage = open_storage(out)
+        storage = storage or open_storage(out)
         for key in keys:
             storage.delete(key)
-    except Exception as e:  # noqa: BLE001 - the job is cancelled either way; say what is left
-        log.warning("cancelled, but deleting %s in %s failed (%s: %s); delete them by hand", ", ".join(keys), out,
+    except Exception as e:  # noqa: BLE001 - the job's state stands either way; say what is left
+        log.warning("%s, but deleting %s in %s failed (%s: %s); delete them by hand", why, ", ".join(keys), out,
                     e.__class__.__name__, e)
+
+
+LOST = "abandoned:"  # how the error of an attempt lost with its worker starts (core.queue)
+
+
+def sweep_lost(db: Database, job_id: int, storage=None) -> None:
+    """Delete what the job's lost attempts left in storage: a render killed after it stored its
+    raw frames but before it recorded them (``raw_key``) left them with no attempt pointing at
+    them. A lost attempt's files are never delivered. Called once the job has a clip stored or
+    has ended ``failed``; ``storage`` is the batch's, where the caller has it open."""
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        if job is None or not job.attempts_lost:  # only a job that lost an attempt can have left anything
+            return
+        out = s.get(Batch, job.batch_id).out
+        keys = [k for a in s.scalars(select(Attempt).where(
+            Attempt.job_id == job_id, Attempt.state == AttemptState.FAILED.value, Attempt.error.like(LOST + "%")))
+            for k in attempt_keys(job, a)]
+    if keys:
+        _delete(out, keys, f"job {job_id}'s lost attempts swept", storage)
 
 
 RETRY_TIER = "quality"  # a QC-rejected job renders again at this tier (as runner.stages' QC retries do)

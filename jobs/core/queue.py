@@ -24,6 +24,7 @@ from sqlalchemy import exists, select, update
 
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.models import Attempt, Batch, Job
+from clipmill.jobs.core.operations import LOST, sweep_lost
 from clipmill.jobs.core.states import AttemptState, JobState, MoveConflict, move_attempt, move_job
 from clipmill.pipeline.choices import TIERS
 
@@ -270,7 +271,7 @@ def reclaim(db: Database, batch_id: str | None = None) -> list[int]:
     batch's ``max_attempts``. The job goes back to queued, or to failed once it has lost the
     batch's ``max_lost`` attempts. Returns the job ids moved.
     """
-    moved = []
+    moved, failed = [], []
     with db.session() as s, s.begin():
         q = select(Job, Batch).join(Batch).where(Job.state == JobState.RENDERING.value)
         if batch_id is not None:
@@ -282,23 +283,31 @@ def reclaim(db: Database, batch_id: str | None = None) -> list[int]:
             for a in s.scalars(
                 select(Attempt).where(Attempt.job_id == job.id, Attempt.state == AttemptState.RENDERING.value)
             ):
-                move_attempt(
-                    s, a.id, AttemptState.RENDERING, AttemptState.FAILED,
-                    error=f"abandoned: worker {job.lease_owner} lost its lease", finished_at=now(),
-                )
-            lost = (job.attempts_lost or 0) + 1
-            dst = JobState.QUEUED if lost < batch.max_lost else JobState.FAILED
+                move_attempt(s, a.id, AttemptState.RENDERING, AttemptState.FAILED, finished_at=now(),
+                             error=f"{LOST} worker {job.lease_owner} lost its lease")
+            lost, error = _lost_once_more(job, batch, "worker")
             try:
-                move_job(
-                    s, job.id, JobState.RENDERING, dst, lease_owner=None, lease_expires_at=None, attempts_lost=lost,
-                    error=None if dst is JobState.QUEUED else (
-                        f"worker lost {lost} times (max_lost {batch.max_lost}): the job may kill its worker; "
-                        f"last worker {job.lease_owner}"),
-                )
+                move_job(s, job.id, JobState.RENDERING, JobState.QUEUED if error is None else JobState.FAILED,
+                         lease_owner=None, lease_expires_at=None, attempts_lost=lost, error=error)
                 moved.append(job.id)
+                if error is not None:
+                    failed.append(job.id)
             except MoveConflict:
                 pass
+    for job_id in failed:  # what its lost attempts stored is never delivered
+        sweep_lost(db, job_id)
     return moved
+
+
+def _lost_once_more(job: Job, batch: Batch, who: str) -> tuple[int, str | None]:
+    """One more attempt of ``job`` lost with its ``who`` (the rendering 'worker' or the 'post
+    worker', ``job.lease_owner``): the job's attempts lost so far, and its failure reason once
+    that reaches the batch's ``max_lost`` (a job that kills its worker goes round no more), else None."""
+    lost = (job.attempts_lost or 0) + 1
+    if lost < batch.max_lost:
+        return lost, None
+    return lost, (f"{who} lost {lost} times (max_lost {batch.max_lost}): the {'job' if who == 'worker' else 'clip'} "
+                  f"may kill its {who}; last worker {job.lease_owner}")
 
 
 POST_LEASE_S = 600  # a post stage (interpolate, encode, QC, store) takes seconds; a lease past this is lost
@@ -322,20 +331,22 @@ def claim_post(db: Database, job_id: int, worker: str, lease_s: float = POST_LEA
             return "moved"
         if job.lease_owner not in (None, worker) and not lease_lost(job.lease_expires_at, job.lease_owner):
             return "busy"
+        error = None
         if job.lease_owner not in (None, worker):  # its post worker died (or hung past its lease): a lost attempt
-            batch = s.get(Batch, job.batch_id)
-            job.attempts_lost = (job.attempts_lost or 0) + 1
-            if job.attempts_lost >= batch.max_lost:  # the clip kills its post worker: stop sending it round
-                for a in s.scalars(select(Attempt).where(Attempt.job_id == job.id,
-                                                         Attempt.state == AttemptState.RENDERED.value)):
-                    move_attempt(s, a.id, AttemptState.RENDERED, AttemptState.FAILED, finished_at=now(),
-                                 error=f"abandoned: post worker {job.lease_owner} lost its lease")
-                move_job(s, job.id, JobState.POST, JobState.FAILED, lease_owner=None, lease_expires_at=None,
-                         attempts_lost=job.attempts_lost,
-                         error=f"post worker lost {job.attempts_lost} times (max_lost {batch.max_lost}): the clip "
-                               f"may kill its post worker; last worker {job.lease_owner}")
-                return "moved"
-        job.lease_owner, job.lease_expires_at = worker, now() + timedelta(seconds=lease_s)
+            lost, error = _lost_once_more(job, s.get(Batch, job.batch_id), "post worker")
+            job.attempts_lost = lost
+        if error is None:
+            job.lease_owner, job.lease_expires_at = worker, now() + timedelta(seconds=lease_s)
+        else:  # the clip kills its post worker: stop sending it round
+            for a in s.scalars(select(Attempt).where(Attempt.job_id == job.id,
+                                                     Attempt.state == AttemptState.RENDERED.value)):
+                move_attempt(s, a.id, AttemptState.RENDERED, AttemptState.FAILED, finished_at=now(),
+                             error=f"{LOST} post worker {job.lease_owner} lost its lease")
+            move_job(s, job.id, JobState.POST, JobState.FAILED, lease_owner=None, lease_expires_at=None,
+                     attempts_lost=lost, error=error)
+    if error is not None:  # failed above: what its lost attempts stored is never delivered
+        sweep_lost(db, job_id)
+        return "moved"
     return "claimed"
 
 

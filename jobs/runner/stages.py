@@ -26,7 +26,7 @@ from sqlalchemy import select
 from clipmill.jobs.core.db import Database
 from clipmill.jobs.core.logs import ids
 from clipmill.jobs.core.models import Attempt, Batch, Job, attempt_key, attempt_keys
-from clipmill.jobs.core.operations import release
+from clipmill.jobs.core.operations import release, sweep_lost
 from clipmill.jobs.core.preflight import SetupProblem
 from clipmill.jobs.core.queue import POST_LEASE_S, Heartbeat, attempts_left, claim_post, holds_post, worker_name
 from clipmill.jobs.core.settings import Settings
@@ -121,6 +121,8 @@ def _fail(db: Database, attempt_id: int, error: str) -> bool:
             s, job.id, src, JobState.QUEUED if retry else JobState.FAILED,
             lease_owner=None, lease_expires_at=None, error=None if retry else error.splitlines()[-1][-500:],
         )
+    if not retry:  # what its lost attempts stored is never delivered
+        sweep_lost(db, job.id)
     return True
 
 
@@ -439,19 +441,8 @@ def _post(ctx: WorkerContext, job: Job, a: Attempt, batch: Batch, owner: str) ->
     except Exception as e:  # noqa: BLE001 - the verdict stands; say what is left behind
         log.warning("deleting the raw frames %s in %s failed (%s: %s); delete them by hand", a.raw_key, batch.out,
                     e.__class__.__name__, e, extra=ids(job, a))
-    if job.attempts_lost:  # only a job that lost an attempt can have left anything
-        _sweep_lost(ctx, job, batch.out)
+    if job.attempts_lost:  # what lost attempts stored is never delivered
+        sweep_lost(ctx.db, job.id, ctx.storage(batch.out))
     log.info("%s%s: %s", result.verdict, " (retry queued)" if retry else "", "; ".join(result.reasons) or "clean",
              extra=ids(job, a))
     return result.verdict
-
-
-def _sweep_lost(ctx: WorkerContext, job: Job, out: str) -> None:
-    """Delete what the job's lost attempts left in storage: a render killed after it stored its
-    raw frames but before it recorded them (``raw_key``) left them with no attempt pointing at
-    them. A lost attempt's files are never delivered."""
-    with ctx.db.session() as s:
-        lost = s.scalars(select(Attempt).where(Attempt.job_id == job.id, Attempt.state == AttemptState.FAILED.value,
-                                               Attempt.error.like("abandoned:%"))).all()
-    for old in lost:
-        _delete_files(ctx, job, old, out)
