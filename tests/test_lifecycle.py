@@ -689,3 +689,29 @@ def test_the_raw_frames_a_killed_render_stored_are_swept_when_the_job_fails_on_a
     jobs, by_job = jobs_and_attempts(db)
     assert (jobs[0].state, jobs[0].error) == ("failed", "RuntimeError: the render failed")
     assert [a.state for a in by_job[held.job_id]] == ["failed", "failed"] and not orphan.exists()
+
+
+def test_a_post_stage_hung_in_a_live_process_loses_its_lease_past_its_limit(db, tmp_path):
+    """A post stage hung for good (a write that never returns) in a live process kept its job's
+    lease renewed for ever, and the job sat in `post` for ever. Past the heartbeat's limit its
+    renewals stop; once the lease runs out another worker takes the job over (a lost attempt),
+    and the hung one, should it go on, stores nothing."""
+    from clipmill.jobs.core.queue import claim_post, holds_post
+
+    make_batch(db, tmp_path, rows=1, max_attempts=1)
+    ctx = WorkerContext(db, qc_config=REJECT_ALL)
+    (c,) = claim_group(db, "me:1", "b", size=1)
+    (done,) = render_group(ctx, [c.attempt_id])
+    hung = worker_name() + "/hung"  # this (live) process
+    assert claim_post(db, c.job_id, hung, lease_s=1.0) == "claimed"
+    with Heartbeat(db, [c.job_id], hung, lease_s=1.0, every=0.1, state=JobState.POST, max_s=0.5) as hb:
+        assert claim_post(db, c.job_id, "other:1") == "busy"  # renewed while under its limit
+        wait_until("the heartbeat giving up", lambda: hb.gave_up, 30)
+        beats = hb.beats
+        wait_until("the lease running out", lambda: claim_post(db, c.job_id, "other:1") == "claimed", 30)
+        assert hb.beats == beats and hb.thread.is_alive() is False
+    with db.session() as s:
+        job = s.get(Job, c.job_id)
+        assert (job.state, job.lease_owner, job.attempts_lost) == ("post", "other:1", 1)
+    assert not holds_post(db, c.job_id, hung)
+    assert post_attempt(ctx, done, owner="other:1") == "reject"

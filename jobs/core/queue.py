@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -198,17 +199,24 @@ class Heartbeat:
     Both runners use it (the farm's render task and the embedded run). A failed renewal (the
     database restarting, a dropped connection, a lock timeout) is logged and the next beat tries
     again; with two beats left before the lease runs out, a short outage costs nothing.
+
+    With ``max_s``, renewals stop once the block has run that long (said in the log): a stage
+    hung for good in a live process (a write that never returns) then loses its lease like a
+    dead one, and another worker takes the job over (counting a lost attempt); the hung one, if
+    it ever goes on, finds the lease gone and stores nothing.
     """
 
     def __init__(self, db: Database, job_ids: list[int], worker: str, lease_s: float = DEFAULT_LEASE_S,
-                 every: float | None = None, state: JobState = JobState.RENDERING):
+                 every: float | None = None, state: JobState = JobState.RENDERING, max_s: float | None = None):
         self.db, self.job_ids, self.worker, self.lease_s, self.state = db, list(job_ids), worker, lease_s, state
         self.every = every if every is not None else lease_s / 3
         if not 0 < self.every < lease_s:
             raise ValueError(f"heartbeat every {self.every:g} s with a lease of {lease_s:g} s: allowed more "
                              "than 0 and less than the lease")
+        self.max_s = max_s
         self.beats = 0  # renewals that reached the database
         self.errors = 0  # renewals that failed
+        self.gave_up = False  # the block ran past max_s: its lease is no longer renewed
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="clipmill-heartbeat", daemon=True)
 
@@ -223,7 +231,14 @@ class Heartbeat:
             self.beats += 1
 
     def run(self) -> None:
+        started = time.monotonic()
         while not self.stop.wait(self.every):
+            if self.max_s is not None and time.monotonic() - started > self.max_s:
+                self.gave_up = True
+                log.warning("jobs %s: %s has run past %g s, its limit: its lease is no longer renewed, and another "
+                            "worker takes the jobs over when it runs out", self.job_ids,
+                            "post-processing" if self.state is JobState.POST else "rendering", self.max_s)
+                return
             self.beat()
 
     def __enter__(self) -> Heartbeat:
@@ -311,6 +326,9 @@ def _lost_once_more(job: Job, batch: Batch, who: str) -> tuple[int, str | None]:
 
 
 POST_LEASE_S = 600  # a post stage (interpolate, encode, QC, store) takes seconds; a lease past this is lost
+# its lease is renewed while it runs, for at most this long: one still running then is hung (a
+# minute of 4K at 60 fps takes a few minutes on a CPU), and another worker takes it over
+POST_MAX_S = 3600
 
 
 def claim_post(db: Database, job_id: int, worker: str, lease_s: float = POST_LEASE_S) -> str:

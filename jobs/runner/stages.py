@@ -28,7 +28,8 @@ from clipmill.jobs.core.logs import ids
 from clipmill.jobs.core.models import Attempt, Batch, Job, attempt_key, attempt_keys
 from clipmill.jobs.core.operations import release, sweep_lost
 from clipmill.jobs.core.preflight import SetupProblem
-from clipmill.jobs.core.queue import POST_LEASE_S, Heartbeat, attempts_left, claim_post, holds_post, worker_name
+from clipmill.jobs.core.queue import (POST_LEASE_S, POST_MAX_S, Heartbeat, attempts_left, claim_post, holds_post,
+                                      worker_name)
 from clipmill.jobs.core.settings import Settings
 from clipmill.jobs.runner.checks import VERDICT_KINDS, clip_decode_check, with_render_check
 from clipmill.jobs.runner.draws import DEFAULT_DRAWS, check_draws, render_drawing
@@ -357,9 +358,9 @@ def post_attempt(ctx: WorkerContext, attempt_id: int, owner: str | None = None) 
         # not bit-identical, so two posts would store files that need not match the verdict kept
         log.info("another worker is post-processing this attempt; nothing to do", extra=ids(job, a))
         return None
-    # the lease is renewed while this stage runs, so that no other worker takes the attempt over
-    # from a live one; a stage that stalled past it anyway (a hung disk) stores nothing
-    with Heartbeat(ctx.db, [job.id], owner, POST_LEASE_S, state=JobState.POST):
+    # the lease is renewed while this stage runs (up to POST_MAX_S), so that no other worker takes
+    # the attempt over from a live one; a stage that stalled past it (a hung disk) stores nothing
+    with Heartbeat(ctx.db, [job.id], owner, POST_LEASE_S, state=JobState.POST, max_s=POST_MAX_S):
         return _post(ctx, job, a, batch, owner)
 
 
