@@ -67,6 +67,15 @@ BOIL_MAX_SHIFT = 16.0
 BOIL_STRONG_EDGE = 25.0
 BOIL_STRONG_GROW = 5
 BOIL_INSIDE_SHARE = 0.35
+# A shape's interior smaller than a window is never BOIL_INSIDE_SHARE of one (a moving object's windows
+# were 4-24% inside): so each connected piece of those pixels (4-connected, at least
+# BOIL_INSIDE_MIN_PX and at most BOIL_INSIDE_MAX_SHARE of the frame: a shape's interior, not the
+# background) is also measured whole, its pixels' mean of the same inner excess, and that value is
+# given to the pixels within BOIL_INSIDE_SPREAD px of it (its outline too, so that a small shape
+# covers the area the score's quantile needs)
+BOIL_INSIDE_MIN_PX = 6
+BOIL_INSIDE_MAX_SHARE = 0.05
+BOIL_INSIDE_SPREAD = 9
 
 
 @dataclass
@@ -276,8 +285,9 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
        its own allowance; a window whose valid share is BOIL_VALID_SHARE or less reads NaN (not
        measured);
     5. the same over the pixels away from strong content edges only (inside a shape), with the
-       allowance of those pixels' own content gradient (BOIL_STRONG_EDGE and below); the larger of
-       the two is kept.
+       allowance of those pixels' own content gradient (BOIL_STRONG_EDGE and below), over the
+       window where those pixels are more than BOIL_INSIDE_SHARE of it, and over each shape's
+       interior whole (:func:`_interiors`); the largest is kept.
     """
     if edges is None and colour is not None:
         edges = (colour[0].edges, colour[1].edges)
@@ -320,7 +330,30 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     inner = (_isotropic_band(band, tensor, box, inside, parts) - BOIL_GRAIN_SHARE * cv2.blur(inside * fine * fine, box)
              - BOIL_EDGE * cv2.blur(inside * own, box)) / np.maximum(inside_share, 1e-3)
     # (measured only where the window itself is: a flow failure leaves it to the pair on the other side)
-    return np.fmax(excess, np.where((inside_share > BOIL_INSIDE_SHARE) & (share > BOIL_VALID_SHARE), inner, np.nan))
+    inner = np.where((inside_share > BOIL_INSIDE_SHARE) & (share > BOIL_VALID_SHARE), inner, np.nan)
+    return np.fmax(excess, np.fmax(inner, _interiors(band, fine, own, parts, inside, box, share)))
+
+
+def _interiors(band: np.ndarray, fine: np.ndarray, own: np.ndarray, parts: tuple, inside: np.ndarray,
+               box: tuple[int, int], share: np.ndarray) -> np.ndarray:
+    """Step 5 of :func:`boiling_map` pooled over each shape's interior: the connected pieces of
+    ``inside`` (4-connected, BOIL_INSIDE_MIN_PX px to BOIL_INSIDE_MAX_SHARE of the frame) each read
+    their pixels' mean inner excess (band-pass energy counted as :func:`_isotropic_band` counts it,
+    less the grain floor and the pixel's own edge allowance), spread BOIL_INSIDE_SPREAD px around
+    the piece (the larger where two meet); NaN elsewhere and where the window is not measured."""
+    w, along, across = parts
+    iso = np.minimum(1.0, 2 * cv2.blur(inside * w * along, box) / (cv2.blur(inside * w * (along + across), box) + 1e-6))
+    e = band * band
+    excess = (1 - w) * e + w * e * iso - BOIL_GRAIN_SHARE * fine * fine - BOIL_EDGE * own
+    n, lab = cv2.connectedComponents((inside > 0.5).astype(np.uint8), connectivity=4)
+    count = np.bincount(lab.ravel(), minlength=n).astype(np.float64)
+    mean = np.bincount(lab.ravel(), weights=excess.ravel().astype(np.float64), minlength=n) / np.maximum(count, 1)
+    keep = (count >= BOIL_INSIDE_MIN_PX) & (count <= BOIL_INSIDE_MAX_SHARE * inside.size)
+    keep[0] = False  # label 0: the pixels that are not inside
+    out = np.where(keep, mean, -1e9).astype(np.float32)[lab]
+    k = 2 * BOIL_INSIDE_SPREAD + 1
+    out = cv2.dilate(out, np.ones((k, k), np.uint8)) if BOIL_INSIDE_SPREAD > 0 else out
+    return np.where((out > -1e8) & (share > BOIL_VALID_SHARE), out, np.nan).astype(np.float32)
 
 
 def _gradient2(gray: np.ndarray | None, rgb: np.ndarray | None, blur: float) -> np.ndarray:
