@@ -703,8 +703,8 @@ def test_a_post_stage_hung_in_a_live_process_loses_its_lease_past_its_limit(db, 
     (c,) = claim_group(db, "me:1", "b", size=1)
     (done,) = render_group(ctx, [c.attempt_id])
     hung = worker_name() + "/hung"  # this (live) process
-    assert claim_post(db, c.job_id, hung, lease_s=1.0) == "claimed"
-    with Heartbeat(db, [c.job_id], hung, lease_s=1.0, every=0.1, state=JobState.POST, max_s=0.5) as hb:
+    assert claim_post(db, c.job_id, hung, lease_s=3.0) == "claimed"
+    with Heartbeat(db, [c.job_id], hung, lease_s=3.0, every=0.1, state=JobState.POST, max_s=0.5) as hb:
         assert claim_post(db, c.job_id, "other:1") == "busy"  # renewed while under its limit
         wait_until("the heartbeat giving up", lambda: hb.gave_up, 30)
         beats = hb.beats
