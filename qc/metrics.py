@@ -241,19 +241,30 @@ def _edge_parts(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarr
 
 def _isotropic_band(band: np.ndarray, tensor: tuple[np.ndarray, np.ndarray, np.ndarray],
                     box: tuple[int, int], mask: np.ndarray | None = None,
-                    parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+                    parts: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                    iso: np.ndarray | None = None) -> np.ndarray:
     """Band-pass energy of ``band`` summed over ``box`` and divided by its area, where content
     edges are counted by the part of it that does not follow them: the content's structure
     ``tensor`` (jxx, jyy, jxy; :func:`structure_tensor`) gives each pixel's edge normal and
     strength; at an edge, the energy is scaled by twice the share of the band's gradient energy
     along the edge (1 for texture that varies every way, near 0 for a residual that varies across
     the edge only), at most 1. With ``mask`` (0..1 per pixel) only the pixels it keeps count.
-    ``parts`` is :func:`_edge_parts` of the same band and tensor where the caller has it."""
-    w, along, across = _edge_parts(band, tensor) if parts is None else parts
-    m = 1.0 if mask is None else mask
-    iso = np.minimum(1.0, 2 * cv2.blur(m * w * along, box) / (cv2.blur(m * w * (along + across), box) + 1e-6))
-    e = m * band * band
+    ``parts`` is :func:`_edge_parts` of the same band and tensor, and ``iso`` their
+    :func:`_isotropy` over the same box and mask, where the caller has them."""
+    parts = _edge_parts(band, tensor) if parts is None else parts
+    w = parts[0]
+    iso = _isotropy(parts, box, mask) if iso is None else iso
+    e = band * band if mask is None else mask * band * band
     return cv2.blur((1 - w) * e, box) + cv2.blur(w * e, box) * iso
+
+
+def _isotropy(parts: tuple[np.ndarray, np.ndarray, np.ndarray], box: tuple[int, int],
+              mask: np.ndarray | None = None) -> np.ndarray:
+    """Twice the share of the band's gradient energy along the content's edges, edge-weighted,
+    over ``box`` (of the pixels ``mask`` keeps), at most 1: :func:`_isotropic_band`'s scale."""
+    w, along, across = parts
+    m = 1.0 if mask is None else mask
+    return np.minimum(1.0, 2 * cv2.blur(m * w * along, box) / (cv2.blur(m * w * (along + across), box) + 1e-6))
 
 
 def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
@@ -327,22 +338,23 @@ def boiling_map(a: np.ndarray, b: np.ndarray, flow: FlowEstimator,
     grown = cv2.dilate(strong, np.ones((BOIL_STRONG_GROW,) * 2, np.uint8))
     inside = valid * (1 - grown).astype(np.float32)
     inside_share = cv2.blur(inside, box)
-    inner = (_isotropic_band(band, tensor, box, inside, parts) - BOIL_GRAIN_SHARE * cv2.blur(inside * fine * fine, box)
+    iso = _isotropy(parts, box, inside)  # the inside's, for the window (here) and each interior whole
+    inner = (_isotropic_band(band, tensor, box, inside, parts, iso)
+             - BOIL_GRAIN_SHARE * cv2.blur(inside * fine * fine, box)
              - BOIL_EDGE * cv2.blur(inside * own, box)) / np.maximum(inside_share, 1e-3)
     # (measured only where the window itself is: a flow failure leaves it to the pair on the other side)
     inner = np.where((inside_share > BOIL_INSIDE_SHARE) & (share > BOIL_VALID_SHARE), inner, np.nan)
-    return np.fmax(excess, np.fmax(inner, _interiors(band, fine, own, parts, inside, box, share)))
+    return np.fmax(excess, np.fmax(inner, _interiors(band, fine, own, parts[0], iso, inside, share)))
 
 
-def _interiors(band: np.ndarray, fine: np.ndarray, own: np.ndarray, parts: tuple, inside: np.ndarray,
-               box: tuple[int, int], share: np.ndarray) -> np.ndarray:
+def _interiors(band: np.ndarray, fine: np.ndarray, own: np.ndarray, w: np.ndarray, iso: np.ndarray,
+               inside: np.ndarray, share: np.ndarray) -> np.ndarray:
     """Step 5 of :func:`boiling_map` pooled over each shape's interior: the connected pieces of
     ``inside`` (4-connected, BOIL_INSIDE_MIN_PX px to BOIL_INSIDE_MAX_SHARE of the frame) each read
     their pixels' mean inner excess (band-pass energy counted as :func:`_isotropic_band` counts it,
     less the grain floor and the pixel's own edge allowance), spread BOIL_INSIDE_SPREAD px around
-    the piece (the larger where two meet); NaN elsewhere and where the window is not measured."""
-    w, along, across = parts
-    iso = np.minimum(1.0, 2 * cv2.blur(inside * w * along, box) / (cv2.blur(inside * w * (along + across), box) + 1e-6))
+    the piece (the larger where two meet); NaN elsewhere and where the window is not measured.
+    ``w`` and ``iso`` are the edge weight and the inside's :func:`_isotropy` the window measure uses."""
     e = band * band
     excess = (1 - w) * e + w * e * iso - BOIL_GRAIN_SHARE * fine * fine - BOIL_EDGE * own
     n, lab = cv2.connectedComponents((inside > 0.5).astype(np.uint8), connectivity=4)
